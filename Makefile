@@ -1,0 +1,48 @@
+# lmops: `make run` trains and promotes a model, `make test` runs the whole suite.
+# Both create .venv on first use from the exact pins in requirements.lock.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.DEFAULT_GOAL := help
+.PHONY: help install run test test-fast lint format mlflow-ui clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
+
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.lock
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $@
+
+install: $(STAMP) ## create .venv and install the pinned dependencies and lmops
+
+run: install ## run the whole pipeline (dvc repro): corpus -> promoted model
+	$(BIN)/python template.py
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro
+
+test: install ## run the whole test suite
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
+
+test-fast: install ## unit tests only
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest tests/unit
+
+lint: install ## ruff lint + format check
+	$(BIN)/ruff check src tests benchmarks production_service template.py
+	$(BIN)/ruff format --check src tests benchmarks production_service template.py
+
+format: install ## apply ruff's formatting and safe fixes
+	$(BIN)/ruff check --fix src tests benchmarks production_service template.py
+	$(BIN)/ruff format src tests benchmarks production_service template.py
+
+mlflow-ui: install ## MLflow UI on the tracking store the pipeline wrote (http://127.0.0.1:5000)
+	$(BIN)/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}
+
+clean: ## remove pipeline outputs (keeps .venv and the DVC cache)
+	rm -rf data/raw data/processed artifacts/* production_service/model mlflow.db
+
+-include deploy/deploy.mk
