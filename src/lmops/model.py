@@ -29,6 +29,20 @@ MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "to
                "tokenizer_config.json")
 
 
+def resolve_device(name: str = "auto") -> torch.device:
+    """`auto` = CUDA when present, else CPU. Asking for CUDA without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise LmopsError(f"device {name!r} requested but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA, float32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
