@@ -110,16 +110,17 @@ def documents(text: str) -> list[str]:
 
 
 def cap_documents(docs: list[str], max_bytes: int | None) -> list[str]:
-    """The leading whole documents that fit in `max_bytes` (at least one)."""
+    """Whole documents, in order, skipping any that would overflow `max_bytes`."""
     if max_bytes is None:
         return docs
     kept, total = [], 0
     for doc in docs:
         size = len(doc.encode("utf-8"))
-        if kept and total + size > max_bytes:
-            break
-        kept.append(doc)
-        total += size
+        if total + size <= max_bytes:
+            kept.append(doc)
+            total += size
+    if not kept:
+        raise LmopsError(f"data.max_bytes={max_bytes} is smaller than every document of the corpus")
     return kept
 
 
