@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny projects, tiny models, and a subprocess runner for the CLI."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# Small enough that a whole `dvc repro` takes seconds, big enough to exercise every stage.
+TINY_PARAMS = {
+    "data": {"source": "python-stdlib", "max_bytes": 400_000},
+    "split": {"val_fraction": 0.1, "test_fraction": 0.1},
+    "tokenizer": {"vocab_size": 400},
+    "model": {"n_layer": 2, "n_head": 4, "n_kv_heads": 2, "n_embd": 64, "intermediate_size": 128,
+              "block_size": 64},
+    "train": {"max_steps": 20, "batch_size": 8, "warmup_steps": 4, "eval_interval": 10, "eval_batches": 2,
+              "checkpoint_interval": 10, "log_interval": 5, "threads": 1},
+    "evaluate": {"max_batches": 4, "batch_size": 8, "max_new_tokens": 12},
+}
+
+
+def env() -> dict[str, str]:
+    """The test environment for subprocesses: our venv first, tracking local to the project."""
+    e = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
+    e["PYTHONUNBUFFERED"] = "1"
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=kw.pop("env", env()), capture_output=True, text=True,
+                          timeout=timeout, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                             f"\n--- stderr\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def write_params(project: Path, overrides: dict) -> None:
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for section, values in overrides.items():
+        params.setdefault(section, {}).update(values)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def make_project(root: Path, overrides: dict | None = None, git: bool = True) -> Path:
+    """A fresh lmops working copy (pipeline definition + tiny params) in `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
+    shutil.copytree(REPO / ".dvc", root / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache"))
+    for name in (".gitignore", ".dvcignore"):
+        shutil.copy(REPO / name, root / name)
+    write_params(root, {**TINY_PARAMS, **(overrides or {})})
+    if git:
+        run(["git", "init", "-q"], root)
+        run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "init", "--allow-empty"], root)
+        run(["git", "add", "-A"], root)
+        run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "project"], root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tokenized_project(tmp_path_factory) -> Path:
+    """A project with get_data, split and tokenize done (read-only for tests: copy it)."""
+    project = make_project(tmp_path_factory.mktemp("tokenized"), git=False)
+    for stage in ("get_data", "split", "tokenize"):
+        run([str(BIN / "lmops"), stage], project)
+    return project
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised tiny model directory in the HF Llama layout (no training)."""
+    import json
+
+    from lmops.model import Llama, LlamaConfig
+    from lmops.tokenizer import save_tokenizer, train_tokenizer
+
+    text = "\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(300))
+    tok = train_tokenizer([text], vocab_size=300)
+    directory = tmp_path_factory.mktemp("tiny-model")
+    Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), n_layer=2, n_head=4, n_kv_heads=2, n_embd=64,
+                      intermediate_size=128, block_size=128)).save_pretrained(directory)
+    save_tokenizer(tok, directory, 128)
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (directory / "lmops.json").write_text(json.dumps({"run_id": None}))
+    return directory

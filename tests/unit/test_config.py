@@ -1,0 +1,69 @@
+from pathlib import Path
+
+import pytest
+
+from lmops.config import Params, load_params, parse_params
+from lmops.errors import LmopsError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_repo_params_are_valid_and_complete():
+    params = load_params(REPO / "params.yaml")
+    assert params.data.source == "python-stdlib"
+    # Every section and key of the schema is spelled out in params.yaml (DVC tracks them by name).
+    import yaml
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    for section, model in Params.model_fields.items():
+        assert set(raw[section]) == set(model.annotation.model_fields), section
+
+
+def test_unknown_key_is_named_with_a_suggestion():
+    with pytest.raises(LmopsError, match=r"unknown key 'train.max_step' \(did you mean 'max_steps'\?\)"):
+        parse_params({"train": {"max_step": 10}})
+
+
+def test_unknown_section_is_named():
+    with pytest.raises(LmopsError, match="unknown key 'trian'.*did you mean 'train'"):
+        parse_params({"trian": {}})
+
+
+def test_wrong_type_names_key_and_expected_type():
+    with pytest.raises(LmopsError, match=r"'train.max_steps'.*expected int, got 'many'"):
+        parse_params({"train": {"max_steps": "many"}})
+
+
+def test_scientific_notation_without_dot_is_caught():
+    # YAML 1.1 reads 3e-3 as a string: we say so instead of training with a string.
+    with pytest.raises(LmopsError, match="'train.learning_rate'.*expected float, got '3e-3'"):
+        parse_params({"train": {"learning_rate": "3e-3"}})
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ({"model": {"n_embd": 100, "n_head": 6}}, "divisible by n_head"),
+        ({"model": {"n_head": 6, "n_kv_heads": 4}}, "divisible by n_kv_heads"),
+        ({"split": {"val_fraction": 0.6, "test_fraction": 0.5}}, "nothing left to train on"),
+        ({"tokenizer": {"vocab_size": 100}}, "tokenizer.vocab_size"),
+        ({"train": {"min_lr": 1.0, "learning_rate": 0.1}}, "must not exceed learning_rate"),
+        ({"train": {"device": "tpu"}}, "one of 'auto', 'cpu', 'cuda'"),
+        ({"data": {"sha256": "xyz"}}, "data.sha256"),
+    ],
+)
+def test_invalid_values(raw, needle):
+    with pytest.raises(LmopsError, match=needle):
+        parse_params(raw)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(LmopsError, match="params file not found"):
+        load_params(tmp_path / "nope.yaml")
+    bad = tmp_path / "params.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(LmopsError, match="not valid YAML"):
+        load_params(bad)
+    bad.write_text("- just a list\n")
+    with pytest.raises(LmopsError, match="expected a mapping"):
+        load_params(bad)

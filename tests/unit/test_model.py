@@ -1,0 +1,73 @@
+import json
+
+import pytest
+import torch
+
+from lmops.errors import LmopsError
+from lmops.model import KVCache, Llama, LlamaConfig
+
+CFG = LlamaConfig(vocab_size=320, n_layer=2, n_head=4, n_kv_heads=2, n_embd=64, intermediate_size=160,
+                  block_size=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Llama(CFG).eval()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_transformers_loads_our_directory_and_logits_match(tmp_path, tie):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    ours = Llama(LlamaConfig(**{**CFG.__dict__, "tie_embeddings": tie})).eval()
+    ours.save_pretrained(tmp_path)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert hf.config.num_key_value_heads == 2 < hf.config.num_attention_heads  # GQA on
+    x = torch.randint(0, CFG.vocab_size, (3, 50))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x)[0], hf(x).logits, atol=1e-4, rtol=0)
+
+
+def test_kv_cache_decoding_equals_full_forward(model):
+    x = torch.randint(0, CFG.vocab_size, (2, 40))
+    with torch.no_grad():
+        full, _ = model(x)
+        cache = KVCache(CFG, 2, CFG.block_size, "cpu", torch.float32)
+        steps = [model(x[:, :25], positions=torch.arange(25).expand(2, 25), cache=cache)[0]]
+        for t in range(25, 40):
+            steps.append(model(x[:, t:t + 1], positions=torch.full((2, 1), t), cache=cache)[0])
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+
+
+def test_loss_is_cross_entropy(model):
+    x = torch.randint(0, CFG.vocab_size, (2, 16))
+    logits, loss = model(x, x)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, CFG.vocab_size), x.reshape(-1))
+    assert torch.allclose(loss, ref)
+
+
+def test_round_trip_and_bad_directories(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    again = Llama.from_pretrained(tmp_path)
+    x = torch.randint(0, CFG.vocab_size, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], again(x)[0])
+
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(LmopsError, match="corrupt weights file"):
+        Llama.from_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(weights)
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    with pytest.raises(LmopsError, match="do not match config.json"):
+        Llama.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{broken")
+    with pytest.raises(LmopsError, match="unreadable model config"):
+        Llama.from_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(LmopsError, match="missing config.json"):
+        Llama.from_pretrained(tmp_path)

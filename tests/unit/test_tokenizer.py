@@ -1,0 +1,73 @@
+import json
+
+import numpy as np
+import pytest
+
+from lmops.config import TokenizerConfig
+from lmops.errors import LmopsError
+from lmops.tokenizer import (encode, load_tokenizer, read_tokens, save_tokenizer, token_byte_lengths,
+                             tokenize, train_tokenizer)
+
+TEXT = "".join(f"def function_{i}(x, y):\n    return x * {i} + y  # ünïcödé ✓\n\n" for i in range(400))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer([TEXT], vocab_size=320)
+
+
+def test_vocab_too_small_for_byte_level():
+    with pytest.raises(LmopsError, match="at least 259"):
+        train_tokenizer(["abc"], vocab_size=200)
+
+
+def test_round_trip_and_special_ids(tok):
+    ids = encode(tok, TEXT)
+    assert tok.decode(ids.tolist()) == TEXT
+    assert [tok.token_to_id(t) for t in ("<unk>", "<s>", "</s>")] == [0, 1, 2]
+    unseen = "日本語 and emoji 🐍 never seen in training"
+    assert tok.decode(encode(tok, unseen).tolist()) == unseen  # byte-level: nothing is unknown
+
+
+def test_token_byte_lengths_count_utf8_bytes(tok):
+    ids = encode(tok, TEXT)
+    assert token_byte_lengths(tok)[ids].sum() == len(TEXT.encode("utf-8"))
+
+
+def test_transformers_loads_the_saved_tokenizer(tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    save_tokenizer(tok, tmp_path, model_max_length=64)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    sample = "def f(x):\n    return x ✓"
+    assert hf(sample)["input_ids"] == tok.encode(sample).ids
+    assert hf.eos_token_id == 2 and hf.bos_token_id == 1 and hf.model_max_length == 64
+    assert load_tokenizer(tmp_path).get_vocab_size() == tok.get_vocab_size()
+
+
+def test_tokenize_stage_writes_bins_and_stats(tmp_path):
+    data = tmp_path / "processed"
+    data.mkdir()
+    for name, text in {"train": TEXT, "val": TEXT[:3000], "test": TEXT[3000:6000]}.items():
+        (data / f"{name}.txt").write_text(text)
+    stats = tokenize(TokenizerConfig(vocab_size=300, min_frequency=2), 64, data, tmp_path / "tok")
+    assert stats["dtype"] == "uint16" and stats["vocab_size"] == 300
+    tok = load_tokenizer(tmp_path / "tok")
+    for name in ("train", "val", "test"):
+        ids = read_tokens(data / f"{name}.bin", 300)
+        assert isinstance(ids, np.memmap)
+        assert tok.decode(ids.tolist()) == (data / f"{name}.txt").read_text()
+        assert stats["splits"][name]["tokens"] == len(ids)
+    assert json.loads((tmp_path / "tok" / "stats.json").read_text()) == stats
+
+
+def test_tokenize_errors(tmp_path):
+    with pytest.raises(LmopsError, match="run `lmops split` first"):
+        tokenize(TokenizerConfig(), 64, tmp_path, tmp_path / "tok")
+    with pytest.raises(LmopsError, match="run `lmops tokenize` first"):
+        read_tokens(tmp_path / "train.bin", 300)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(LmopsError, match="unreadable tokenizer"):
+        load_tokenizer(tmp_path / "bad")
+    assert not (tmp_path / "tok").exists()

@@ -1,0 +1,75 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lmops.config import TrainConfig
+from lmops.errors import LmopsError
+from lmops.model import Llama, LlamaConfig
+from lmops.train import batch, load_checkpoint, lr_at, make_optimizer, save_checkpoint
+
+CFG = LlamaConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32,
+                  block_size=8)
+
+
+def test_lr_schedule_warmup_then_cosine_to_min():
+    cfg = TrainConfig(max_steps=100, warmup_steps=10, learning_rate=1.0, min_lr=0.1)
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+    assert lr_at(55, cfg) == pytest.approx(0.55)
+
+
+def test_batches_depend_only_on_their_seed():
+    tokens = np.arange(1000, dtype=np.uint16)
+    x1, y1 = batch(tokens, 8, 4, (1, 5, 0, 0), "cpu")
+    x2, _ = batch(tokens, 8, 4, (1, 5, 0, 0), "cpu")
+    x3, _ = batch(tokens, 8, 4, (1, 5, 0, 1), "cpu")  # another rank
+    assert torch.equal(x1, x2) and not torch.equal(x1, x3)
+    assert torch.equal(y1, x1 + 1)
+    with pytest.raises(LmopsError, match="fewer than model.block_size"):
+        batch(tokens[:9], 8, 4, (0,), "cpu")
+
+
+def _trained_pair(tmp_path):
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    opt = make_optimizer(model, TrainConfig(), torch.device("cpu"))
+    x = torch.randint(0, 64, (2, 8))
+    model(x, x)[1].backward()
+    opt.step()
+    save_checkpoint(tmp_path / "ckpt", model, opt, {"step": 1, "history": [], "fingerprint": "f"})
+    return model, opt
+
+
+def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
+    model, opt = _trained_pair(tmp_path)
+    expected_rng_draw = torch.rand(3)
+    torch.manual_seed(123)  # disturb the RNG; loading must restore the saved state
+    fresh = Llama(CFG)
+    fresh_opt = make_optimizer(fresh, TrainConfig(), torch.device("cpu"))
+    state = load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
+    assert state["step"] == 1
+    assert torch.equal(torch.rand(3), expected_rng_draw)
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for key, slot in opt.state_dict()["state"].items():
+        for name, value in slot.items():
+            assert torch.equal(value, fresh_opt.state_dict()["state"][key][name])
+
+
+def test_truncated_or_corrupt_checkpoint_is_an_error(tmp_path):
+    _trained_pair(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    model = Llama(CFG)
+    opt = make_optimizer(model, TrainConfig(), torch.device("cpu"))
+    weights = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(weights[:-100])
+    with pytest.raises(LmopsError, match="model.safetensors is corrupt or truncated.*delete"):
+        load_checkpoint(ckpt, model, opt)
+    (ckpt / "model.safetensors").write_bytes(weights)
+    (ckpt / "state.json").write_text(json.dumps({"step": 1}))
+    with pytest.raises(LmopsError, match="unreadable"):
+        load_checkpoint(ckpt, model, opt)
