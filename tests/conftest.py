@@ -46,8 +46,9 @@ def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 300, **k
     return proc
 
 
-def write_params(project: Path, overrides: dict) -> None:
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+def write_params(project: Path, overrides: dict, base: Path = REPO / "params.yaml") -> None:
+    """params.yaml for `project`: `base` with `overrides` merged in, section by section."""
+    params = yaml.safe_load(base.read_text())
     for section, values in overrides.items():
         params.setdefault(section, {}).update(values)
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

@@ -167,12 +167,19 @@ def logged_model_uri(run_id: str) -> str:
 
 
 def register(name: str, run_id: str, tags: dict[str, str]):
+    """The registry version of this run's model, created on first promotion attempt."""
     mlflow = _mlflow()
     c = client()
     try:
         c.get_registered_model(name)
     except mlflow.exceptions.MlflowException:
         c.create_registered_model(name, description="lmops Llama-style LM; @champion is what serves")
+    existing = c.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    if existing:
+        version = existing[0]
+        for key, value in tags.items():
+            c.set_model_version_tag(name, version.version, key, value)
+        return version
     return mlflow.register_model(logged_model_uri(run_id), name, tags=tags)
 
 

@@ -105,16 +105,17 @@ class EngineMetrics:
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
 
-    def on_token(self, m: RequestMetrics, t: float) -> None:
-        """One generated token at time `t`: TTFT for the first, inter-token latency after."""
+    def on_tokens(self, m: RequestMetrics, t: float, count: int) -> None:
+        """`count` tokens of one request (one per completion) generated in the step ending at `t`:
+        TTFT on the first, else one inter-token latency observation."""
         if m.first_token_time is None:
             m.first_token_time = t
             self.ttft.observe(t - m.arrival_time)
         else:
             self.tpot.observe(t - m.last_token_time)
         m.last_token_time = t
-        m.num_generation_tokens += 1
-        self.generation_tokens.inc()
+        m.num_generation_tokens += count
+        self.generation_tokens.inc(count)
 
     def on_first_scheduled(self, m: RequestMetrics, t: float) -> None:
         m.first_scheduled_time = t

@@ -1,0 +1,141 @@
+"""The whole pipeline through real `dvc repro`, real MLflow (sqlite) and a DVC remote.
+
+One project is built once for the module; the tests are the steps of a user's
+story on it and run in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lmops.model import MODEL_FILES, Llama
+from tests.conftest import BIN, make_project, run, write_params
+
+pytestmark = pytest.mark.slow
+
+
+def repro(project) -> str:
+    return run([str(BIN / "dvc"), "repro"], project).stdout
+
+
+def ran_stages(output: str) -> list[str]:
+    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage")]
+
+
+def registry(project):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{project}/mlflow.db", registry_uri=f"sqlite:///{project}/mlflow.db")
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    project = make_project(tmp_path_factory.mktemp("pipeline") / "repo")
+    out = repro(project)
+    assert ran_stages(out) == ["get_data", "split", "tokenize", "train", "evaluate", "promote"]
+    return project
+
+
+def test_repro_produces_every_output(project):
+    manifest = json.loads((project / "data/raw/manifest.json").read_text())
+    assert manifest["source"].startswith("python-stdlib") and 0 < manifest["bytes"] <= 400_000
+    for split in ("train", "val", "test"):
+        assert (project / f"data/processed/{split}.bin").stat().st_size > 0
+    metrics = json.loads((project / "artifacts/metrics.json").read_text())
+    assert 0 < metrics["test_bits_per_byte"] < 12 and metrics["test_perplexity"] > 1
+    assert "```python" in (project / "artifacts/samples.md").read_text()
+    promotion = json.loads((project / "artifacts/promotion.json").read_text())
+    assert promotion["promoted"] and promotion["reason"] == "no champion yet" and promotion["version"] == 1
+    served = project / "production_service/model"
+    assert all((served / f).is_file() for f in (*MODEL_FILES, "lmops.json"))
+    meta = json.loads((served / "lmops.json").read_text())
+    assert meta["model_version"] == 1 and meta["run_id"] == promotion["run_id"]
+    assert meta["data_sha256"] == manifest["sha256"]
+    log_rows = (project / "artifacts/plots/train_log.csv").read_text().splitlines()
+    assert log_rows[0].startswith("step,") and len(log_rows) == 1 + 20 // 5
+    shown = run([str(BIN / "dvc"), "metrics", "show", "--json"], project).stdout
+    assert "test_bits_per_byte" in shown
+    run([str(BIN / "dvc"), "plots", "show", "-o", str(project / "plots-html")], project)
+    assert (project / "plots-html/index.html").is_file()
+
+
+def test_second_repro_does_nothing(project):
+    assert ran_stages(repro(project)) == []
+    assert "up to date" in run([str(BIN / "dvc"), "status"], project).stdout
+
+
+def test_transformers_loads_the_promoted_model(project):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    served = project / "production_service/model"
+    hf = AutoModelForCausalLM.from_pretrained(served, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(served)
+    ids = torch.tensor([tok("def main():\n    return")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, Llama.from_pretrained(served)(ids)[0], atol=1e-4, rtol=0)
+
+
+def test_registry_champion_and_pyfunc(project):
+    import mlflow
+
+    client = registry(project)
+    champion = client.get_model_version_by_alias("lmops", "champion")
+    promotion = json.loads((project / "artifacts/promotion.json").read_text())
+    assert int(champion.version) == 1 and champion.run_id == promotion["run_id"]
+    run_ = client.get_run(promotion["run_id"])
+    assert run_.data.tags["data_sha256"] == json.loads((project / "data/raw/manifest.json").read_text())["sha256"]
+    assert {"train_loss", "val_loss", "lr", "tokens_per_sec", "mfu", "test_bits_per_byte"} <= set(run_.data.metrics)
+    assert run_.data.params["model.n_layer"] == "2"
+    mlflow.set_tracking_uri(f"sqlite:///{project}/mlflow.db")
+    model = mlflow.pyfunc.load_model("models:/lmops@champion")
+    out = model.predict(["def ", "import "], params={"max_new_tokens": 5, "temperature": 0.0})
+    assert len(out) == 2 and all(isinstance(s, str) for s in out)
+
+
+def test_param_change_reruns_only_train_onwards_and_a_worse_model_is_not_promoted(project):
+    write_params(project, {"train": {"max_steps": 4}}, base=project / "params.yaml")
+    assert ran_stages(repro(project)) == ["train", "evaluate", "promote"]
+    promotion = json.loads((project / "artifacts/promotion.json").read_text())
+    assert not promotion["promoted"] and promotion["version"] == 2 and promotion["champion_version"] == 1
+    assert promotion["candidate_bits_per_byte"] > promotion["champion_bits_per_byte"]
+    assert "measured on the same test split" in promotion["reason"]
+    client = registry(project)
+    assert int(client.get_model_version_by_alias("lmops", "champion").version) == 1
+    assert client.get_model_version("lmops", "2").tags["promotion"] == promotion["reason"]
+    assert json.loads((project / "production_service/model/lmops.json").read_text())["model_version"] == 1
+
+    run([str(BIN / "lmops"), "promote", "--force"], project)
+    # --force promotes the same registered version; it does not register the run twice.
+    assert int(registry(project).get_model_version_by_alias("lmops", "champion").version) == 2
+    assert json.loads((project / "production_service/model/lmops.json").read_text())["model_version"] == 2
+    assert json.loads((project / "artifacts/promotion.json").read_text())["reason"] == "forced with --force"
+
+
+def test_new_data_re_evaluates_the_champion(project):
+    write_params(project, {"split": {"seed": 99}}, base=project / "params.yaml")
+    assert ran_stages(repro(project))[0] == "split"
+    promotion = json.loads((project / "artifacts/promotion.json").read_text())
+    assert "re-evaluated on the current test split" in promotion["reason"]
+    tags = registry(project).get_model_version("lmops", str(promotion["champion_version"])).tags
+    assert tags["test_split_sha256"] == json.loads((project / "artifacts/metrics.json").read_text())["test_split_sha256"]
+
+
+def test_push_and_pull_through_a_local_remote(project, tmp_path):
+    remote = tmp_path / "remote"
+    dvc = str(BIN / "dvc")
+    run([dvc, "remote", "add", "-d", "local", str(remote)], project)
+    run([dvc, "push"], project)
+    run(["git", "add", "-A"], project)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "pipeline outputs"], project)
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(project), str(clone)], tmp_path)
+    assert not (clone / "artifacts/model").exists()
+    run([dvc, "pull"], clone)
+    for rel in ("artifacts/model/model.safetensors", "data/processed/test.txt", "artifacts/tokenizer/tokenizer.json"):
+        assert (clone / rel).read_bytes() == (project / rel).read_bytes()
+    assert "up to date" in run([dvc, "status"], clone).stdout
+    shutil.rmtree(clone)
