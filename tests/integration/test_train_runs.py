@@ -72,7 +72,7 @@ def test_corrupt_checkpoint_stops_with_a_clear_error(tokenized_project, tmp_path
 
 def test_ddp_with_two_processes_on_cpu(tokenized_project, tmp_path):
     project = _copy(tokenized_project, tmp_path / "ddp")
-    out = run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "lmops.cli", "train"], project,
+    run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "lmops.cli", "train"], project,
               timeout=400)
     meta = json.loads((project / "artifacts/model/lmops.json").read_text())
     from mlflow import MlflowClient
