@@ -1,0 +1,165 @@
+# shellcheck shell=bash
+# Shared by the deploy/ scripts: sourced, never run on its own.
+#
+# Every script runs from the repository root with .venv/bin first on PATH and
+# takes --dry-run (or DRY_RUN=1/true): it then renders and validates everything
+# for real but prints each cloud command (az, aws, docker, kubectl against a
+# cluster, dvc, kfp) instead of running it. Commands are traced as `+ ...` on
+# stderr, with the values of the secret variables below masked.
+set -euo pipefail
+shopt -s inherit_errexit
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+# The project's tools (.venv/bin) come first, unless the caller placed them already.
+case ":$PATH:" in
+  *":$ROOT/${VENV:-.venv}/bin:"*) ;;
+  *) export PATH="$ROOT/${VENV:-.venv}/bin:$PATH" ;;
+esac
+DRY_RUN=${DRY_RUN:-0}
+SECRET_VARS=(LMOPS_API_KEY AZURE_CLIENT_SECRET AWS_SECRET_ACCESS_KEY KFP_TOKEN)
+# shellcheck disable=SC2034 # used by the scripts that source this file
+NAMESPACE=lmops # the namespace of deploy/base
+
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"; if dry_run; then echo "(dry run: the cloud commands above were printed, not run)" >&2; fi' EXIT
+
+die() {
+  echo "error: $*" >&2
+  exit 1
+}
+
+truthy() {
+  case "${1:-}" in
+    1 | true | TRUE | True | yes) return 0 ;;
+    *) return 1 ;;
+  esac
+}
+
+dry_run() { truthy "$DRY_RUN"; }
+
+# trace WORD...: print a command as it would run, secrets masked.
+trace() {
+  local line name value
+  line=$(printf ' %q' "$@")
+  for name in "${SECRET_VARS[@]}"; do
+    value=${!name:-}
+    [ -n "$value" ] || continue
+    line=${line//"$(printf %q "$value")"/***}
+    line=${line//"$value"/***}
+  done
+  echo "+${line}" >&2
+}
+
+# run WORD...: trace a cloud command, then run it unless this is a dry run.
+run() {
+  trace "$@"
+  dry_run || "$@"
+}
+
+# The image tag: IMAGE_TAG or the commit, with -cuda for the GPU variant (GPU=1).
+image_tag() {
+  local tag=${IMAGE_TAG:-}
+  [ -n "$tag" ] || tag=$(git rev-parse --short=12 HEAD)
+  if truthy "${GPU:-}"; then tag="$tag-cuda"; fi
+  echo "$tag"
+}
+
+# The registry (acr or ecr) a cloud pulls from.
+registry_for() {
+  case "$1" in
+    aks) echo acr ;;
+    eks) echo ecr ;;
+    kubeflow) echo "${KUBEFLOW_REGISTRY:-acr}" ;;
+    *) die "CLOUD must be aks, eks or kubeflow (got '$1')" ;;
+  esac
+}
+
+registry_host() {
+  case "$1" in
+    acr) echo "${ACR_NAME:?set ACR_NAME, the Azure Container Registry}.azurecr.io" ;;
+    ecr) echo "${AWS_ACCOUNT_ID:?set AWS_ACCOUNT_ID}.dkr.ecr.${AWS_REGION:?set AWS_REGION}.amazonaws.com" ;;
+    *) die "registry must be acr or ecr (got '$1')" ;;
+  esac
+}
+
+# The pushed image for CLOUD: IMAGE when set, else <registry>/lmops:<tag>.
+remote_image() {
+  if [ -n "${IMAGE:-}" ]; then
+    echo "$IMAGE"
+    return
+  fi
+  local registry host tag
+  registry=$(registry_for "$1")
+  host=$(registry_host "$registry")
+  tag=$(image_tag)
+  echo "$host/lmops:$tag"
+}
+
+azure_login() {
+  if [ -n "${AZURE_CLIENT_ID:-}" ]; then
+    run az login --service-principal --username "$AZURE_CLIENT_ID" \
+      --password "${AZURE_CLIENT_SECRET:?set AZURE_CLIENT_SECRET}" \
+      --tenant "${AZURE_TENANT_ID:?set AZURE_TENANT_ID}" --output none
+  fi
+  if [ -n "${AZURE_SUBSCRIPTION_ID:-}" ]; then
+    run az account set --subscription "$AZURE_SUBSCRIPTION_ID"
+  fi
+}
+
+# Point kubectl at the cluster of CLOUD. aks and eks write a kubeconfig of this
+# run's own; kubeflow uses the one KUBECONFIG names.
+use_cluster() {
+  case "$1" in
+    aks)
+      export KUBECONFIG="$WORK/kubeconfig" AZURE_CONFIG_DIR="$WORK/azure"
+      azure_login
+      run az aks get-credentials --resource-group "${AKS_RESOURCE_GROUP:?set AKS_RESOURCE_GROUP}" \
+        --name "${AKS_CLUSTER:?set AKS_CLUSTER}" --file "$KUBECONFIG" --overwrite-existing
+      ;;
+    eks)
+      export KUBECONFIG="$WORK/kubeconfig"
+      run aws eks update-kubeconfig --region "${AWS_REGION:?set AWS_REGION}" \
+        --name "${EKS_CLUSTER:?set EKS_CLUSTER}" --kubeconfig "$KUBECONFIG"
+      ;;
+    kubeflow)
+      : "${KUBECONFIG:?set KUBECONFIG to a kubeconfig for the Kubeflow cluster}"
+      ;;
+    *) die "CLOUD must be aks, eks or kubeflow (got '$1')" ;;
+  esac
+}
+
+# render SOURCE FROM TO [NAMESPACE]: SOURCE (a kustomization folder or one
+# manifest file) with the image named FROM replaced by TO (name:tag), moved to
+# NAMESPACE when given, plus the Secret lmops-api-key when LMOPS_API_KEY is set.
+# Writes $WORK/manifests.yaml and validates it (deploy/validate.py).
+render() {
+  local source=$1 from=$2 to=$3 namespace=${4:-} dir="$WORK/render"
+  rm -rf "$dir" && mkdir -p "$dir"
+  if [ -d "$source" ]; then
+    source=$(python -c 'import os, sys; print(os.path.relpath(*sys.argv[1:]))' "$source" "$dir")
+  else
+    cp "$source" "$dir/" && source=$(basename "$source")
+  fi
+  {
+    echo "apiVersion: kustomize.config.k8s.io/v1beta1"
+    echo "kind: Kustomization"
+    if [ -n "$namespace" ]; then echo "namespace: $namespace"; fi
+    echo "resources: [$source]"
+    echo "images: [{name: $from, newName: ${to%:*}, newTag: ${to##*:}}]"
+    if [ -n "${LMOPS_API_KEY:-}" ]; then
+      (umask 077 && printf '%s' "$LMOPS_API_KEY" >"$dir/api-key")
+      echo "secretGenerator: [{name: lmops-api-key, files: [api-key], options: {disableNameSuffixHash: true}}]"
+    fi
+  } >"$dir/kustomization.yaml"
+  kubectl kustomize "$dir" >"$WORK/manifests.yaml"
+  python deploy/validate.py "$WORK/manifests.yaml" >&2
+  grep -qF "image: $to" "$WORK/manifests.yaml" || die "the rendered manifests do not use $to"
+}
+
+# Without LMOPS_API_KEY, the Secret must already be in NAMESPACE.
+check_api_key_secret() {
+  [ -z "${LMOPS_API_KEY:-}" ] || return 0
+  run kubectl --namespace "$1" get secret lmops-api-key --output name ||
+    die "no Secret lmops-api-key in namespace $1: set LMOPS_API_KEY once to create it"
+}

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Validate Kubernetes manifests offline and strictly (an unknown field is an error).
+
+Built-in kinds go through kubernetes-validate (Kubernetes' OpenAPI schemas). The
+custom resources lmops ships, KServe InferenceService and Kubeflow PyTorchJob, are
+checked against the structural schemas in deploy/schemas/, and the pods they embed
+against Kubernetes' PodTemplate schema. Any other kind fails.
+
+    python deploy/validate.py FILE...      ('-' reads standard input)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import yaml
+from kubernetes_validate.utils import SchemaNotFoundError
+
+KUBERNETES_VERSION = "1.37.0"
+SCHEMAS = Path(__file__).with_name("schemas")
+CUSTOM_SCHEMAS = {
+    ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice.json",
+    ("kubeflow.org/v1", "PyTorchJob"): "pytorchjob.json",
+}
+# A KServe predictor is a PodSpec plus these fields (checked by inferenceservice.json).
+KSERVE_PREDICTOR_FIELDS = {
+    "minReplicas",
+    "maxReplicas",
+    "scaleMetric",
+    "scaleTarget",
+    "containerConcurrency",
+    "timeout",
+    "canaryTrafficPercent",
+}
+
+
+def embedded_pod_templates(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Where each pod of a custom resource sits -> that pod as a PodTemplateSpec."""
+    if doc["kind"] == "InferenceService":
+        predictor = doc["spec"]["predictor"]
+        pod = {k: v for k, v in predictor.items() if k not in KSERVE_PREDICTOR_FIELDS}
+        return {"spec.predictor": {"spec": pod}}
+    return {
+        f"spec.pytorchReplicaSpecs.{role}.template": replica["template"]
+        for role, replica in doc["spec"]["pytorchReplicaSpecs"].items()
+    }
+
+
+def problems(doc: Any) -> list[str]:
+    """Everything wrong with one manifest document (empty when it is valid)."""
+    if not isinstance(doc, dict) or "apiVersion" not in doc or "kind" not in doc:
+        return ["not a Kubernetes object (no apiVersion/kind)"]
+    schema_file = CUSTOM_SCHEMAS.get((doc["apiVersion"], doc["kind"]))
+    try:
+        if schema_file is None:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+            return []
+        schema = json.loads((SCHEMAS / schema_file).read_text())
+        jsonschema.validate(doc, schema)
+        found = []
+        for where, template in embedded_pod_templates(doc).items():
+            wrapped = {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": "embedded"},
+                "template": template,
+            }
+            try:
+                kubernetes_validate.validate(wrapped, KUBERNETES_VERSION, strict=True)
+            except jsonschema.ValidationError as exc:
+                path = ".".join(str(p) for p in exc.path)
+                found.append(f"{where} ({path}): {exc.message}")
+        return found
+    except SchemaNotFoundError as exc:
+        return [exc.message]
+    except jsonschema.ValidationError as exc:
+        return [f"{'.'.join(str(p) for p in exc.path) or '(top)'}: {exc.message}"]
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    failed = 0
+    for name in argv:
+        text = sys.stdin.read() if name == "-" else Path(name).read_text()
+        try:
+            docs = list(yaml.safe_load_all(text))
+        except yaml.YAMLError as exc:
+            print(f"FAIL {name}: not YAML: {exc}")
+            failed += 1
+            continue
+        for doc in docs:
+            if doc is None:
+                continue
+            what = f"{name}: {doc.get('kind', '?')}/{doc.get('metadata', {}).get('name', '?')}"
+            errors = problems(doc)
+            for error in errors:
+                print(f"FAIL {what}: {error}")
+            if not errors:
+                print(f"ok   {what}")
+            failed += bool(errors)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

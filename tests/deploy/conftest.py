@@ -1,0 +1,110 @@
+"""Shared by the deploy tests: where things are, the offline tools, and a runner for
+the deploy/ scripts with made-up cloud settings (nothing here reaches a cloud)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+# What Jenkins would provide; none of it is real. The secret values must never
+# appear in a script's output.
+CLOUD_ENV = {
+    "ACR_NAME": "testacr",
+    "AKS_RESOURCE_GROUP": "test-rg",
+    "AKS_CLUSTER": "test-aks",
+    "AWS_ACCOUNT_ID": "111122223333",
+    "AWS_REGION": "eu-west-1",
+    "EKS_CLUSTER": "test-eks",
+    "AZURE_CLIENT_ID": "test-client",
+    "AZURE_TENANT_ID": "test-tenant",
+    "KUBECONFIG": "/nonexistent/kubeconfig",
+    "KFP_HOST": "https://kfp.invalid",
+    "MLFLOW_TRACKING_URI": "http://mlflow.invalid:5000",
+    "IMAGE_TAG": "0123abcd",
+}
+SECRETS = {
+    "AZURE_CLIENT_SECRET": "az-secret-value",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-value",
+    "LMOPS_API_KEY": "api-key-value",
+    "KFP_TOKEN": "kfp-token-value",
+}
+# Settings a developer's shell may hold that would change what the scripts do.
+UNSET = (
+    "CLOUD",
+    "GPU",
+    "DRY_RUN",
+    "IMAGE",
+    "KUBEFLOW_REGISTRY",
+    "KUBEFLOW_NAMESPACE",
+    "VENV",
+    "DVC_REMOTE_CONFIG",
+    "MODEL_URI",
+    "EXPORT_DIR",
+)
+
+
+def tool(name: str) -> str:
+    """A tool from requirements-dev.lock (.venv/bin first); skip the test when missing."""
+    path = shutil.which(name, path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    if path is None:
+        pytest.skip(f"{name} is not installed: run `make install` (requirements-dev.lock)")
+    return path
+
+
+def script_env(path_prefix: str = "", **overrides: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in UNSET}
+    env.update(CLOUD_ENV, **SECRETS)
+    env["PATH"] = os.pathsep.join(p for p in (path_prefix, str(BIN), env.get("PATH", "")) if p)
+    env.update(overrides)
+    return env
+
+
+def run_script(
+    name: str, *args: str, path_prefix: str = "", timeout: float = 120, **overrides: str
+) -> subprocess.CompletedProcess:
+    """Run deploy/<name> with the made-up cloud settings (plus `overrides`)."""
+    return subprocess.run(
+        [str(REPO / "deploy" / name), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=script_env(path_prefix, **overrides),
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="session")
+def kubectl() -> str:
+    return tool("kubectl")
+
+
+def tiny_model(directory: Path) -> Path:
+    """A randomly initialised tiny Llama in the production model layout."""
+    from lmops.model import Llama, LlamaConfig
+    from lmops.tokenizer import save_tokenizer, train_tokenizer
+
+    text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
+    tok = train_tokenizer([text], vocab_size=300)
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        n_layer=2,
+        n_head=4,
+        n_kv_heads=2,
+        n_embd=64,
+        intermediate_size=128,
+        block_size=128,
+    )
+    Llama(config).save_pretrained(directory)
+    save_tokenizer(tok, directory, 128)
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (directory / "lmops.json").write_text("{}")
+    return directory

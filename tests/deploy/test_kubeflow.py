@@ -1,0 +1,154 @@
+"""The Kubeflow pipeline: the committed YAML is what pipeline.py compiles to, its
+steps are the DVC stages with the same inputs and outputs, and the shell each step
+runs moves artifacts in and out around `lmops <stage>` as intended."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+
+import pytest
+import yaml
+
+from tests.deploy.conftest import BIN, REPO
+
+PIPELINE = REPO / "kubeflow" / "pipeline.yaml"
+
+
+def compile_pipeline(output, *extra: str) -> None:
+    subprocess.run(
+        [str(BIN / "python"), "kubeflow/pipeline.py", "compile", "--output", str(output), *extra],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def test_committed_pipeline_yaml_is_up_to_date(tmp_path):
+    compile_pipeline(tmp_path / "pipeline.yaml")
+    assert (tmp_path / "pipeline.yaml").read_text() == PIPELINE.read_text(), (
+        "kubeflow/pipeline.yaml is stale: run `make kfp-compile` and commit it"
+    )
+
+
+def test_image_option_sets_every_step_image(tmp_path):
+    compile_pipeline(tmp_path / "p.yaml", "--image", "registry.example/lmops:abc")
+    executors = yaml.safe_load((tmp_path / "p.yaml").read_text())["deploymentSpec"]["executors"]
+    assert {e["container"]["image"] for e in executors.values()} == {"registry.example/lmops:abc"}
+
+
+def steps() -> dict[str, dict[str, list[str]]]:
+    """stage -> {"in": [paths], "out": [paths]} from the compiled executors."""
+    spec = yaml.safe_load(PIPELINE.read_text())
+    found = {}
+    for executor in spec["deploymentSpec"]["executors"].values():
+        args = executor["container"]["args"]
+        found[args[0]] = {
+            flag: [args[i + 1] for i, a in enumerate(args) if a == f"--{flag}"] for flag in ("in", "out")
+        }
+    return found
+
+
+def test_steps_are_the_dvc_stages_with_their_inputs_and_outputs():
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    found = steps()
+    assert set(found) == set(stages)
+
+    def paths(entries) -> list[str]:
+        return [e if isinstance(e, str) else next(iter(e)) for e in entries or []]
+
+    def covered(path: str, by: list[str]) -> bool:
+        return any(path == p or path.startswith(p + "/") for p in by)
+
+    for name, stage in stages.items():
+        deps = [d for d in paths(stage.get("deps")) if d.startswith(("data/", "artifacts/"))]
+        for dep in deps:
+            assert covered(dep, found[name]["in"]), f"{name}: the step does not provide {dep}"
+        produced = paths(stage.get("outs")) + paths(stage.get("metrics")) + paths(stage.get("plots"))
+        for out in found[name]["out"]:
+            assert any(covered(p, [out]) for p in produced), f"{name}: {out} is not an output of the stage"
+
+
+def test_dag_runs_in_stage_order_and_shares_one_mlflow_server():
+    spec = yaml.safe_load(PIPELINE.read_text())
+    tasks = spec["root"]["dag"]["tasks"]
+    assert set(tasks) == {"get-data", "split", "tokenize", "train", "evaluate", "promote"}
+    assert tasks["split"]["dependentTasks"] == ["get-data"]
+    assert set(tasks["promote"]["dependentTasks"]) == {"evaluate", "tokenize", "train"}
+    assert tasks["promote"]["cachingOptions"] == {}  # caching off: the registry changes
+    assert spec["root"]["inputDefinitions"]["parameters"]["mlflow_tracking_uri"]["parameterType"] == "STRING"
+
+
+@pytest.fixture
+def fake_lmops(tmp_path):
+    """An `lmops` that checks the train stage's inputs and writes a model, like the real one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "lmops"
+    fake.write_text("""#!/bin/sh
+set -eu
+test "$1" = train
+test -f params.yaml
+test -f data/raw/manifest.json
+test -f data/processed/train.bin
+test -f artifacts/tokenizer/tokenizer.json
+mkdir -p artifacts/model
+echo "$MLFLOW_TRACKING_URI" > artifacts/model/tracking_uri
+""")
+    fake.chmod(0o755)
+    return bin_dir
+
+
+def test_step_shell_copies_inputs_runs_the_stage_and_exports_outputs(tmp_path, fake_lmops):
+    spec = importlib.util.spec_from_file_location("pipeline", REPO / "kubeflow" / "pipeline.py")
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+
+    app = tmp_path / "app"
+    (app).mkdir()
+    (app / "params.yaml").write_text("train: {}\n")
+    for rel, name in (("raw", "manifest.json"), ("tokens", "train.bin"), ("tokenizer", "tokenizer.json")):
+        (tmp_path / "in" / rel).mkdir(parents=True)
+        (tmp_path / "in" / rel / name).write_text("x")
+    model = tmp_path / "out" / "model"
+    args = [
+        "train",
+        "--mlflow",
+        "http://mlflow:5000",
+        "--in",
+        "data/raw",
+        str(tmp_path / "in/raw"),
+        "--in",
+        "data/processed",
+        str(tmp_path / "in/tokens"),
+        "--in",
+        "artifacts/tokenizer",
+        str(tmp_path / "in/tokenizer"),
+        "--out",
+        "artifacts/model",
+        str(model),
+    ]
+    env = {**os.environ, "PATH": f"{fake_lmops}{os.pathsep}{os.environ['PATH']}", "LMOPS_APP": str(app)}
+    proc = subprocess.run(
+        ["sh", "-c", pipeline.RUN_STAGE, "run_stage", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (model / "tracking_uri").read_text().strip() == "http://mlflow:5000"
+
+    # A missing input artifact stops the step before the stage runs; nothing is exported.
+    args[-1] = str(tmp_path / "out" / "again")
+    args[5] = str(tmp_path / "in" / "missing")
+    proc = subprocess.run(
+        ["sh", "-c", pipeline.RUN_STAGE, "run_stage", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode != 0 and not (tmp_path / "out" / "again").exists()

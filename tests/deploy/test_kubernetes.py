@@ -1,0 +1,163 @@
+"""k8s-deployment.yml, the kustomize overlays and the Kubeflow manifests: each one
+rendered by kubectl kustomize and validated strictly offline (deploy/validate.py:
+kubernetes-validate for built-in kinds, structural schemas for the CRDs), then
+checked for what the docs promise."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from tests.deploy.conftest import BIN, REPO
+
+OVERLAYS = ["aks", "aks/gpu", "eks", "eks/gpu"]
+KUBEFLOW = [
+    "kubeflow/inferenceservice.yaml",
+    "kubeflow/inferenceservice-gpu.yaml",
+    "kubeflow/pytorchjob.yaml",
+]
+REGISTRY = {"aks": ".azurecr.io/lmops:", "eks": ".dkr.ecr.us-east-1.amazonaws.com/lmops:"}
+
+
+def validate(path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "python"), "deploy/validate.py", str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture(scope="module")
+def rendered(kubectl, tmp_path_factory) -> dict[str, list[dict]]:
+    """Each overlay rendered by `kubectl kustomize`, and saved for validation."""
+    out = {}
+    folder = tmp_path_factory.mktemp("rendered")
+    for overlay in OVERLAYS:
+        proc = subprocess.run(
+            [kubectl, "kustomize", f"deploy/{overlay}"], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+        path = folder / (overlay.replace("/", "-") + ".yaml")
+        path.write_text(proc.stdout)
+        out[overlay] = path
+    return out
+
+
+def by_kind(docs: list[dict]) -> dict[str, dict]:
+    return {d["kind"]: d for d in docs}
+
+
+@pytest.mark.parametrize("manifest", ["k8s-deployment.yml", *KUBEFLOW])
+def test_manifest_is_valid(manifest):
+    proc = validate(REPO / manifest)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ok" in proc.stdout
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rendered_overlay_is_valid(rendered, overlay):
+    proc = validate(rendered[overlay])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kinds = {line.rsplit(": ", 1)[1].split("/")[0] for line in proc.stdout.splitlines()}
+    assert kinds == {"Namespace", "Service", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget"}
+
+
+def test_validation_is_strict(tmp_path):
+    docs = list(yaml.safe_load_all((REPO / "k8s-deployment.yml").read_text()))
+    docs[0]["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
+    isvc = yaml.safe_load((REPO / KUBEFLOW[0]).read_text())
+    isvc["spec"]["predictor"]["containers"][0]["imagePullPolicyy"] = "Always"
+    (tmp_path / "bad.yaml").write_text(
+        yaml.safe_dump_all([docs[0], isvc, {"apiVersion": "x/v1", "kind": "X"}])
+    )
+    proc = validate(tmp_path / "bad.yaml")
+    assert proc.returncode != 0 and proc.stdout.count("FAIL") == 3, proc.stdout
+
+
+def test_root_manifest_is_the_base_of_every_overlay():
+    assert (REPO / "k8s-deployment.yml").resolve() == (REPO / "deploy/base/k8s-deployment.yml").resolve()
+
+
+def test_deployment_service_hpa_pdb_as_promised():
+    kinds = by_kind(list(yaml.safe_load_all((REPO / "k8s-deployment.yml").read_text())))
+    deployment, service, hpa, pdb = (
+        kinds[k] for k in ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
+    )
+    spec = deployment["spec"]
+    assert spec["replicas"] == 2
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert any(v["name"] == "tmp" and "emptyDir" in v for v in pod["volumes"])
+    env = {e["name"]: e for e in container["env"]}
+    assert pod["terminationGracePeriodSeconds"] > int(env["LMOPS_GRACEFUL_TIMEOUT"]["value"]) >= 30
+    assert env["LMOPS_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "lmops-api-key", "key": "api-key"}
+    assert container["ports"] == [{"name": "http", "containerPort": 5001, "protocol": "TCP"}]
+    assert container["startupProbe"]["httpGet"]["path"] == "/ready"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(container["resources"][kind])
+    assert service["spec"]["type"] == "LoadBalancer" and service["spec"]["ports"][0]["port"] == 5001
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "lmops" and hpa["spec"]["minReplicas"] >= 2
+    assert pdb["spec"]["minAvailable"] == 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_sets_registry_load_balancer_and_gpu(rendered, overlay):
+    cloud, gpu = overlay.split("/")[0], overlay.endswith("gpu")
+    kinds = by_kind(list(yaml.safe_load_all(rendered[overlay].read_text())))
+    pod = kinds["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert REGISTRY[cloud] in container["image"] and container["image"].endswith("-cuda") == gpu
+    annotations = kinds["Service"]["metadata"]["annotations"]
+    prefix = {
+        "aks": "service.beta.kubernetes.io/azure-load-balancer-",
+        "eks": "service.beta.kubernetes.io/aws-load-balancer-",
+    }[cloud]
+    assert any(key.startswith(prefix) for key in annotations) and "/health" in annotations.values()
+    assert all(d["metadata"].get("namespace") == "lmops" for k, d in kinds.items() if k != "Namespace")
+    limits = container["resources"]["limits"]
+    if gpu:
+        assert limits["nvidia.com/gpu"] == 1 and pod["nodeSelector"]
+        assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+        assert {"name": "LMOPS_DEVICE", "value": "cuda"} in container["env"]
+    else:
+        assert "nvidia.com/gpu" not in limits and "nodeSelector" not in pod
+
+
+def test_inference_services_serve_our_image_on_5001():
+    cpu, gpu = (yaml.safe_load((REPO / path).read_text()) for path in KUBEFLOW[:2])
+    for isvc, on_gpu in ((cpu, False), (gpu, True)):
+        predictor = isvc["spec"]["predictor"]
+        (container,) = predictor["containers"]
+        assert container["image"].startswith("lmops:") and container["ports"][0]["containerPort"] == 5001
+        assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+        assert predictor["terminationGracePeriodSeconds"] > 30
+        assert ("nvidia.com/gpu" in container["resources"]["limits"]) == on_gpu
+
+
+def test_pytorchjob_runs_the_train_stage_with_torchrun_on_a_shared_workspace():
+    pvc, job = yaml.safe_load_all((REPO / "kubeflow/pytorchjob.yaml").read_text())
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] >= 1
+    for replica in replicas.values():
+        pod = replica["template"]["spec"]
+        (container,) = pod["containers"]
+        command = container["command"]
+        assert command[0] == "torchrun" and command[-3:] == ["-m", "lmops.cli", "train"]
+        assert any(a.startswith("--nproc_per_node=") for a in command)
+        assert container["workingDir"] == "/workspace"
+        assert any(
+            v.get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"]
+            for v in pod["volumes"]
+        )

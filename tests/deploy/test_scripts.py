@@ -1,0 +1,242 @@
+"""The deploy/ scripts: shellcheck-clean, and each one run in dry-run mode the way
+the Jenkinsfile runs it. In a dry run the cloud tools (az, aws, docker, curl, and
+kubectl or dvc beyond rendering) are stand-ins that fail if called, so the scripts
+must only print those commands, while rendering and validation run for real."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.conftest import BIN, REPO, SECRETS, run_script, tiny_model, tool
+
+ACR, ECR = "testacr.azurecr.io/lmops", "111122223333.dkr.ecr.eu-west-1.amazonaws.com/lmops"
+AKS_LOGIN = "az aks get-credentials --resource-group test-rg --name test-aks"
+EKS_LOGIN = "aws eks update-kubeconfig --region eu-west-1 --name test-eks"
+
+# (script, arguments, environment, what the dry run must print). The Jenkinsfile test
+# checks that each of its `sh` steps is one of these.
+DRY_RUNS = [
+    ("build_image.sh", (), {}, ["docker build --pull --build-arg VARIANT=cpu", "--tag lmops:0123abcd ."]),
+    ("build_image.sh", (), {"GPU": "true"}, ["--build-arg VARIANT=cuda", "--tag lmops:0123abcd-cuda ."]),
+    (
+        "push_image.sh",
+        (),
+        {"CLOUD": "aks"},
+        [
+            "az login --service-principal --username test-client --password *** --tenant test-tenant",
+            "az acr login --name testacr",
+            f"docker tag lmops:0123abcd {ACR}:0123abcd",
+            f"docker push {ACR}:0123abcd",
+        ],
+    ),
+    (
+        "push_image.sh",
+        (),
+        {"CLOUD": "eks"},
+        ["aws ecr get-login-password --region eu-west-1", f"docker push {ECR}:0123abcd"],
+    ),
+    (
+        "push_image.sh",
+        (),
+        {"CLOUD": "kubeflow", "KUBEFLOW_REGISTRY": "ecr", "GPU": "1"},
+        [f"docker push {ECR}:0123abcd-cuda"],
+    ),
+    (
+        "deploy.sh",
+        (),
+        {"CLOUD": "aks"},
+        [
+            f"rendered deploy/aks with image {ACR}:0123abcd",
+            AKS_LOGIN,
+            "kubectl apply --filename",
+            "kubectl --namespace lmops rollout status deployment/lmops --timeout=10m",
+        ],
+    ),
+    (
+        "deploy.sh",
+        (),
+        {"CLOUD": "aks", "GPU": "1"},
+        [f"rendered deploy/aks/gpu with image {ACR}:0123abcd-cuda"],
+    ),
+    ("deploy.sh", (), {"CLOUD": "eks"}, [f"rendered deploy/eks with image {ECR}:0123abcd", EKS_LOGIN]),
+    (
+        "deploy.sh",
+        (),
+        {"CLOUD": "eks", "GPU": "1", "LMOPS_API_KEY": ""},
+        [
+            f"rendered deploy/eks/gpu with image {ECR}:0123abcd-cuda",
+            "kubectl --namespace lmops get secret lmops-api-key",
+        ],
+    ),
+    (
+        "kubeflow.sh",
+        ("deploy",),
+        {},
+        ["kubectl apply --filename", "wait inferenceservice/lmops --for=condition=Ready"],
+    ),
+    ("kubeflow.sh", ("deploy",), {"GPU": "1"}, ["kubectl apply --filename"]),
+    ("kubeflow.sh", ("train",), {}, ["delete pytorchjob lmops-train --ignore-not-found", "kubectl apply"]),
+    (
+        "kubeflow.sh",
+        ("pipeline",),
+        {},
+        ["python kubeflow/pipeline.py submit --host https://kfp.invalid --package"],
+    ),
+    (
+        "smoke_test.sh",
+        (),
+        {"CLOUD": "aks"},
+        [
+            AKS_LOGIN,
+            "kubectl --namespace lmops get service lmops",
+            "http://LOADBALANCER:5001/health",
+            "Authorization:\\ Bearer\\ ***",
+            "http://LOADBALANCER:5001/v1/completions",
+        ],
+    ),
+    ("smoke_test.sh", (), {"CLOUD": "eks"}, [EKS_LOGIN, "http://LOADBALANCER:5001/ready"]),
+    (
+        "smoke_test.sh",
+        (),
+        {"CLOUD": "kubeflow"},
+        [
+            "get inferenceservice lmops",
+            "get service istio-ingressgateway",
+            "Host:\\ lmops.",
+            "LOADBALANCER/health",
+        ],
+    ),
+    ("dvc.sh", ("pull", "repro", "push"), {}, ["dvc pull --allow-missing", "dvc repro", "dvc push"]),
+    ("fetch_model.sh", (), {}, ["python -c", "models:/lmops@champion"]),
+]
+
+
+def stand_ins(folder: Path, kubectl: str) -> str:
+    """A folder of cloud tools that fail when called; kubectl and dvc only render/parse."""
+    folder.mkdir(exist_ok=True)
+    dvc = tool("dvc")
+    scripts = {name: "exit 97" for name in ("az", "aws", "docker", "curl")}
+    scripts["kubectl"] = f'[ "$1" = kustomize ] && exec {kubectl} "$@"; exit 97'
+    scripts["dvc"] = f'[ "$1 $2" = "stage list" ] && exec {dvc} "$@"; exit 97'
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+        (folder / name).chmod(0o755)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "env", "expected"),
+    DRY_RUNS,
+    ids=[f"{c[0]}-{'-'.join(c[1])}-{'-'.join(f'{k}={v}' for k, v in c[2].items())}" for c in DRY_RUNS],
+)
+def test_dry_run(script, args, env, expected, tmp_path, kubectl):
+    proc = run_script(script, "--dry-run", *args, path_prefix=stand_ins(tmp_path / "bin", kubectl), **env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    for text in expected:
+        assert text in proc.stderr, f"missing `{text}` in:\n{proc.stderr}"
+    assert "dry run" in proc.stderr
+    for name, value in SECRETS.items():
+        assert value not in output, f"{name} leaked into the output"
+
+
+def test_dry_run_also_from_the_environment(tmp_path, kubectl):
+    proc = run_script(
+        "deploy.sh", path_prefix=stand_ins(tmp_path / "bin", kubectl), CLOUD="eks", DRY_RUN="true"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert EKS_LOGIN in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("script", "env", "message"),
+    [
+        ("deploy.sh", {"CLOUD": "kubeflow"}, "CLOUD must be aks or eks"),
+        ("deploy.sh", {"CLOUD": "aks", "ACR_NAME": ""}, "set ACR_NAME"),
+        ("push_image.sh", {"CLOUD": "gcp"}, "CLOUD must be aks, eks or kubeflow"),
+        ("smoke_test.sh", {"CLOUD": "kubeflow", "KUBECONFIG": ""}, "set KUBECONFIG"),
+    ],
+)
+def test_missing_or_wrong_settings_stop_with_a_clear_message(script, env, message, tmp_path, kubectl):
+    proc = run_script(script, "--dry-run", path_prefix=stand_ins(tmp_path / "bin", kubectl), **env)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_failed_rollout_is_rolled_back(tmp_path, kubectl):
+    """deploy.sh for real, against stand-ins for az and the cluster: the first rollout
+    never completes, so it must undo it, wait for the old one, and fail."""
+    log = tmp_path / "calls.log"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "az").write_text(f'#!/bin/sh\necho "az $*" >> {log}\n')
+    (bin_dir / "kubectl").write_text(f"""#!/bin/sh
+[ "$1" = kustomize ] && exec {kubectl} "$@"
+echo "kubectl $*" >> {log}
+case "$*" in
+  *"rollout status"*) grep -q "rollout undo" {log} ;;
+esac
+""")
+    for fake in bin_dir.iterdir():
+        fake.chmod(0o755)
+    proc = run_script("deploy.sh", path_prefix=str(bin_dir), CLOUD="aks")
+    assert proc.returncode == 1, proc.stderr
+    calls = [line.split(" --kubeconfig")[0] for line in log.read_text().splitlines()]
+    assert [c.split()[:2] for c in calls] == [
+        ["az", "login"],
+        ["az", "aks"],
+        ["kubectl", "apply"],
+        ["kubectl", "--namespace"],
+        ["kubectl", "--namespace"],
+        ["kubectl", "--namespace"],
+    ]
+    assert "rollout undo deployment/lmops" in calls[4] and "rolling back" in proc.stderr
+
+
+def test_scripts_pass_shellcheck():
+    scripts = sorted(str(p) for p in (REPO / "deploy").glob("*.sh"))
+    proc = subprocess.run(
+        [tool("shellcheck"), *scripts], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_script_has_a_dry_run_case():
+    runnable = {p.name for p in (REPO / "deploy").glob("*.sh") if p.stat().st_mode & 0o111}
+    assert runnable == {case[0] for case in DRY_RUNS} | {"smoke_test.sh"}
+
+
+REGISTER = """
+import sys
+from pathlib import Path
+from lmops import tracking
+from lmops.config import MlflowConfig
+
+experiment = tracking.configure(MlflowConfig(experiment="t", tracking_uri=sys.argv[1], artifact_location="mlruns"))
+run_id = tracking.client().create_run(experiment).info.run_id
+tracking.log_model(run_id, Path(sys.argv[2]))
+version = tracking.register("lmops", run_id, {})
+tracking.client().set_registered_model_alias("lmops", "champion", version.version)
+"""
+
+
+@pytest.mark.slow
+def test_fetch_model_exports_the_registry_champion(tmp_path):
+    model = tiny_model(tmp_path / "trained")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    subprocess.run(
+        [str(BIN / "python"), "-c", REGISTER, uri, str(model)],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    proc = run_script("fetch_model.sh", MLFLOW_TRACKING_URI=uri, EXPORT_DIR=str(tmp_path / "served"))
+    assert proc.returncode == 0, proc.stderr
+    served = tmp_path / "served"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (served / name).read_bytes() == (model / name).read_bytes(), name
+    assert json.loads((served / "lmops.json").read_text())["model_uri"] == "models:/lmops@champion"
