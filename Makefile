@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-fast lint format mlflow-ui clean
+.PHONY: help install run test test-fast lint format mlflow-ui serve clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ format: install ## apply ruff's formatting and safe fixes
 
 mlflow-ui: install ## MLflow UI on the tracking store the pipeline wrote (http://127.0.0.1:5000)
 	$(BIN)/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}
+
+serve: install ## serve the promoted model with gunicorn on :5001 (HOST/PORT/LMOPS_* env honoured)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/gunicorn --config production_service/gunicorn.conf.py "production_service.app:create_app()"
 
 clean: ## remove pipeline outputs (keeps .venv and the DVC cache)
 	rm -rf data/raw data/processed artifacts/* production_service/model mlflow.db

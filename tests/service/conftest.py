@@ -1,0 +1,124 @@
+"""Fixtures for the service tests: a tiny model directory, an in-process app on
+it (Flask's test client), and real gunicorn servers on free 127.0.0.1 ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from production_service.app import create_app
+from production_service.config import ServiceConfig
+
+REPO = Path(__file__).resolve().parents[2]
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+CONTEXT = 256
+
+
+def make_model_dir(directory: Path) -> Path:
+    """A randomly initialised tiny Llama in the HF layout, with lmops.json facts."""
+    from lmops.model import Llama, LlamaConfig
+    from lmops.tokenizer import save_tokenizer, train_tokenizer
+
+    text = SHAKESPEARE.read_text()[:20_000] if SHAKESPEARE.is_file() else \
+        "\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(500))
+    tok = train_tokenizer([text], vocab_size=300)
+    Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), n_layer=2, n_head=4, n_kv_heads=2, n_embd=64,
+                      intermediate_size=128, block_size=CONTEXT)).save_pretrained(directory)
+    save_tokenizer(tok, directory, CONTEXT)
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (directory / "lmops.json").write_text(json.dumps(
+        {"run_id": "run-tiny", "model_name": "lmops-tiny", "model_version": "7"}))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("service-model"))
+
+
+def load_app(**config):
+    app = create_app(ServiceConfig(**config))
+    assert app.extensions["lmops"].wait_ready(60), app.extensions["lmops"].error
+    return app
+
+
+@pytest.fixture(scope="session")
+def app(model_dir):
+    """One loaded app shared by the in-process tests (loading is the slow part)."""
+    app = load_app(model_dir=model_dir, device="cpu", max_body_bytes=64 * 1024)
+    yield app
+    app.extensions["lmops"].shutdown(5)
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def log_lines(self) -> list[str]:
+        return self.log.read_text(errors="replace").splitlines()
+
+    def access_records(self) -> list[dict]:
+        return [json.loads(line) for line in self.log_lines() if line.startswith("{")]
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+def start_server(model_dir: Path | None, log: Path, wait_ready: bool = True, **env: str) -> Server:
+    port = free_port()
+    full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "LMOPS_DEVICE": "cpu",
+                "LMOPS_GRACEFUL_TIMEOUT": "10", **env}
+    if model_dir is not None:
+        full_env["LMOPS_MODEL_DIR"] = str(model_dir)
+    gunicorn = Path(sys.executable).parent / "gunicorn"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(gunicorn), "--config", "production_service/gunicorn.conf.py",
+                                 "production_service.app:create_app()"],
+                                cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", proc, log)
+    if wait_ready:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if requests.get(f"{server.url}/ready", timeout=1).status_code == 200:
+                    return server
+            except requests.RequestException:  # not listening yet, or busy importing
+                pass
+            time.sleep(0.1)
+        server.stop(5)
+        raise AssertionError("server did not become ready:\n" + "\n".join(server.log_lines()[-30:]))
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    """One real gunicorn replica, with an API key, shared by the live tests."""
+    srv = start_server(model_dir, tmp_path_factory.mktemp("server") / "server.log",
+                       LMOPS_API_KEY="test-key")
+    yield srv
+    srv.stop()

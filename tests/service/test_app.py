@@ -1,0 +1,287 @@
+"""The app in-process (Flask's test client) on a tiny random model: the
+OpenAI-compatible shapes, every client error as a 4xx in OpenAI's shape, and
+the states around the model (loading, failed, full queue, shutting down)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from lmops.engine import SamplingParams
+from lmops.errors import LmopsError
+from production_service import app as app_module
+from production_service.app import create_app
+from production_service.config import ServiceConfig
+from tests.service.conftest import CONTEXT, load_app
+
+PROMPT = "ROMEO: What light"
+
+
+def completion(client, **body):
+    return client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **body})
+
+
+def assert_error(response, status: int, code: str | None = None, param: str | None = None):
+    assert response.status_code == status, response.get_data(as_text=True)
+    error = response.get_json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def sse_events(response) -> list:
+    text = response.get_data(as_text=True)
+    datas = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]"
+    return [json.loads(d) for d in datas[:-1]]
+
+
+def test_completion_shape_usage_and_request_id(client, app):
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0},
+                    headers={"X-Request-ID": "req-42"})
+    assert r.status_code == 200 and r.headers["X-Request-ID"] == "req-42"
+    body = r.get_json()
+    assert body["id"] == "cmpl-req-42" and body["object"] == "text_completion"
+    assert body["model"] == "lmops-tiny"
+    [choice] = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] in ("stop", "length")
+    tok = app.extensions["lmops"].engine.tokenizer
+    prompt_tokens = len(tok.encode(PROMPT, add_special_tokens=False).ids)
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == prompt_tokens and 1 <= usage["completion_tokens"] <= 5
+    assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"]
+
+
+def test_prompt_forms_and_n_index_choices(client, app):
+    ids = app.extensions["lmops"].engine.tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    r = completion(client, prompt=["a", "b c"], n=2)
+    assert sorted(c["index"] for c in r.get_json()["choices"]) == [0, 1, 2, 3]
+    greedy = completion(client, temperature=0).get_json()["choices"][0]["text"]
+    assert completion(client, prompt=ids, temperature=0).get_json()["choices"][0]["text"] == greedy
+    r = completion(client, prompt=[ids, ids[:3]])
+    assert r.status_code == 200 and r.get_json()["usage"]["prompt_tokens"] == len(ids) + 3
+
+
+def test_echo_and_logprobs(client):
+    r = completion(client, echo=True, logprobs=2, temperature=0, ignore_eos=True)
+    [choice] = r.get_json()["choices"]
+    assert choice["text"].startswith(PROMPT)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    assert lp["text_offset"][0] == len(PROMPT)
+    assert all(v <= 0 for v in lp["token_logprobs"])
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"])
+
+
+def test_stream_matches_plain_and_ends_with_done(client):
+    plain = completion(client, temperature=0, max_tokens=6).get_json()
+    r = completion(client, temperature=0, max_tokens=6, stream=True,
+                   stream_options={"include_usage": True})
+    assert r.status_code == 200 and r.mimetype == "text/event-stream"
+    events = sse_events(r)
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == plain["choices"][0]["text"]
+    assert [c["finish_reason"] for c in events[-2]["choices"]] == [plain["choices"][0]["finish_reason"]]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == plain["usage"]
+
+
+def test_stream_with_n_echo_and_logprobs_adds_up_to_the_plain_answer(client):
+    body = {"n": 2, "seed": 7, "max_tokens": 6, "echo": True, "logprobs": 1, "ignore_eos": True}
+    plain = {c["index"]: c for c in completion(client, **body).get_json()["choices"]}
+    texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
+    for event in sse_events(completion(client, stream=True, **body)):
+        for c in event["choices"]:
+            texts[c["index"]] += c["text"]
+            tokens[c["index"]] += c["logprobs"]["tokens"]
+    for i in (0, 1):
+        assert texts[i] == plain[i]["text"] and texts[i].startswith(PROMPT)
+        assert tokens[i] == plain[i]["logprobs"]["tokens"] and len(tokens[i]) == 6
+
+
+def test_predict_and_models(client):
+    r = client.post("/predict", json={"prompt": PROMPT, "max_tokens": 3})
+    body = r.get_json()
+    assert r.status_code == 200 and isinstance(body["completion"], str)
+    assert body["model"] == "lmops-tiny" and body["completion_tokens"] <= 3
+    [model] = client.get("/v1/models").get_json()["data"]
+    assert (model["id"], model["version"], model["run_id"]) == ("lmops-tiny", "7", "run-tiny")
+    assert model["max_model_len"] == CONTEXT
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"temperature": 5}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": CONTEXT + 1}, "max_tokens"),
+    ({"n": 1.5}, "n"),
+    ({"top_p": 0}, "top_p"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"),
+    ({"stream": "yes"}, "stream"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [10**6]}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"best_of": 2}, "best_of"),
+    ({"max_token": 3}, "max_token"),
+])
+def test_invalid_values_are_400_naming_the_field(client, body, param):
+    assert_error(completion(client, **body), 400, "invalid_value", param)
+
+
+def test_missing_prompt_and_non_object_bodies(client):
+    assert_error(client.post("/v1/completions", json={"max_tokens": 3}), 400, param="prompt")
+    assert_error(client.post("/v1/completions", json=[1, 2]), 400, "invalid_value")
+    assert_error(client.post("/predict", json={"prompt": 3}), 400, param="prompt")
+
+
+@pytest.mark.parametrize("data", [b"{not json", b'{"prompt": "a", "temperature": NaN}',
+                                  b"[" * 5000 + b"]" * 5000, b'{"prompt": "\\ud800"}',
+                                  b"\xff\xfe\x00"])
+def test_bodies_that_are_not_json_are_400(client, data):
+    r = client.post("/v1/completions", data=data, content_type="application/json")
+    assert_error(r, 400, "invalid_json")
+
+
+def test_wrong_media_type_415_route_404_method_405_size_413(client):
+    r = client.post("/v1/completions", data=json.dumps({"prompt": "a"}), content_type="text/plain")
+    assert_error(r, 415, "unsupported_media_type")
+    assert_error(client.post("/v1/completions", data=b"prompt=a"), 415)
+    assert_error(client.get("/v1/nothing"), 404, "not_found")
+    r = client.get("/v1/completions")
+    assert_error(r, 405, "method_not_allowed")
+    assert "POST" in r.headers["Allow"]
+    assert_error(completion(client, prompt="x" * 70_000), 413, "request_too_large")
+
+
+def test_unknown_model_is_404(client):
+    assert_error(completion(client, model="gpt-4"), 404, "model_not_found", "model")
+    assert completion(client, model="lmops-tiny").status_code == 200
+
+
+def test_prompt_too_long_400_with_numbers_or_left_truncated(client):
+    error = assert_error(completion(client, prompt="to be or not " * 200), 400,
+                         "context_length_exceeded", "prompt")
+    assert str(CONTEXT) in error["message"] and str(CONTEXT - 1) in error["message"]
+    r = completion(client, prompt="to be or not " * 200, truncate_prompt_tokens=10)
+    assert r.status_code == 200 and r.get_json()["usage"]["prompt_tokens"] == 10
+
+
+def test_metrics_has_engine_and_http_series(client):
+    completion(client).close()  # the WSGI server closes every response; that records it
+    text = client.get("/metrics").get_data(as_text=True)
+    for name in ("lmops:num_requests_running", "lmops:kv_cache_usage_perc",
+                 "lmops:time_to_first_token_seconds_bucket", "http_requests_total",
+                 "http_request_duration_seconds_bucket"):
+        assert name in text
+    assert 'handler="/v1/completions",method="POST",status="200"' in text
+
+
+def test_openapi_document_carries_the_model_limits(client):
+    doc = client.get("/openapi.json").get_json()
+    assert doc["openapi"].startswith("3.1") and "/v1/completions" in doc["paths"]
+    schema = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert schema["max_tokens"]["maximum"] == CONTEXT
+    assert "security" not in doc["paths"]["/v1/completions"]["post"]
+
+
+def test_not_loaded_yet_is_503_but_probes_and_docs_answer(model_dir):
+    client = create_app(ServiceConfig(model_dir=model_dir), start=False).test_client()
+    assert_error(completion(client), 503, "not_ready")
+    assert_error(client.get("/v1/models"), 503, "not_ready")
+    assert_error(client.get("/ready"), 503, "not_ready")
+    assert client.get("/health").get_json() == {"status": "loading"}
+    assert client.get("/openapi.json").status_code == 200
+    assert client.get("/metrics").status_code == 200
+
+
+def test_api_key_is_required_and_compared_in_constant_time(model_dir, monkeypatch):
+    client = create_app(ServiceConfig(model_dir=model_dir, api_key="s3cret"), start=False).test_client()
+    calls = []
+    real = app_module.hmac.compare_digest
+    monkeypatch.setattr(app_module.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    r = completion(client)
+    assert_error(r, 401, "invalid_api_key")
+    assert r.headers["WWW-Authenticate"] == "Bearer"
+    assert_error(client.post("/v1/completions", json={"prompt": "a"},
+                             headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(client.get("/v1/models", headers={"Authorization": "Basic s3cret"}), 401)
+    # the right key passes authentication (and meets the not-loaded 503)
+    assert_error(client.post("/v1/completions", json={"prompt": "a"},
+                             headers={"Authorization": "Bearer s3cret"}), 503)
+    assert len(calls) == 2  # every bearer token went through compare_digest
+    assert client.get("/health").status_code == 200
+    doc = client.get("/openapi.json").get_json()
+    assert doc["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
+
+
+def test_corrupt_model_fails_with_one_clear_error(model_dir, tmp_path):
+    for f in model_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    app = create_app(ServiceConfig(model_dir=tmp_path, device="cpu"))
+    runtime = app.extensions["lmops"]
+    deadline = time.monotonic() + 30
+    while runtime.state == "loading" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runtime.state == "failed" and "model.safetensors" in runtime.error
+    client = app.test_client()
+    assert_error(client.get("/ready"), 503)
+    assert "model.safetensors" in assert_error(client.get("/health"), 503)["message"]
+
+
+def test_full_queue_is_429_then_shutdown_is_503(model_dir):
+    app = load_app(model_dir=model_dir, device="cpu", max_num_seqs=1, max_queued=1)
+    runtime, client = app.extensions["lmops"], app.test_client()
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    running = runtime.loop.submit("a", long)
+    deadline = time.monotonic() + 10
+    while runtime.loop.num_running < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    waiting = runtime.loop.submit("b", long)
+    started = time.monotonic()
+    r = completion(client)
+    assert_error(r, 429, "queue_full")
+    assert int(r.headers["Retry-After"]) >= 1 and time.monotonic() - started < 1
+    running.cancel()
+    waiting.cancel()
+    runtime.shutdown(1)
+    assert_error(completion(client), 503, "shutting_down")
+    assert_error(client.get("/ready"), 503)
+
+
+def test_engine_failure_mid_stream_is_reported_in_band_and_by_health(model_dir):
+    app = load_app(model_dir=model_dir, device="cpu")
+    runtime, client = app.extensions["lmops"], app.test_client()
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 200, "stream": True,
+                                             "ignore_eos": True}, buffered=False)
+    events = iter(r.response)
+    assert next(events).startswith(b"data: {")
+
+    def broken_step():
+        raise RuntimeError("simulated device failure")
+
+    runtime.engine.step = broken_step
+    rest = b"".join(events).decode()
+    error = json.loads(rest.strip().split("\n\n")[-1][len("data: "):])["error"]
+    assert error["code"] == "engine_failed" and "simulated device failure" in error["message"]
+    assert "[DONE]" not in rest
+    r.close()
+    assert_error(client.get("/health"), 503, "unhealthy")
+    assert_error(completion(client), 503, "engine_unavailable")
+
+
+def test_config_from_env_names_the_bad_variable():
+    config = ServiceConfig.from_env({"PORT": "8080", "LMOPS_MODEL_URI": "models:/lmops@champion",
+                                     "LMOPS_ENABLE_PREFIX_CACHING": "false"})
+    assert (config.port, config.model_uri, config.enable_prefix_caching) == \
+        (8080, "models:/lmops@champion", False)
+    assert config.worker_threads == config.max_num_seqs + config.max_queued + 8
+    with pytest.raises(LmopsError, match="LMOPS_MAX_NUM_SEQS"):
+        ServiceConfig.from_env({"LMOPS_MAX_NUM_SEQS": "lots"})

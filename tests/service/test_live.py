@@ -1,0 +1,171 @@
+"""The real thing: gunicorn with the production config on a free 127.0.0.1 port,
+driven by the official `openai` client and raw sockets (disconnects, SIGTERM)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import threading
+import time
+from urllib.parse import urlparse
+
+import openai
+import pytest
+import requests
+
+from tests.service.conftest import start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+AUTH = {"Authorization": "Bearer test-key"}
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="test-key", max_retries=0, timeout=30)
+
+
+def metric(server, name: str) -> float:
+    text = requests.get(f"{server.url}/metrics", timeout=5).text
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+
+def test_openai_client_plain_stream_n_and_stop(oai):
+    [model] = oai.models.list().data
+    assert model.id == "lmops-tiny"
+    plain = oai.completions.create(model=model.id, prompt="ROMEO:", max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    text = plain.choices[0].text
+    assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 12
+
+    chunks = list(oai.completions.create(model=model.id, prompt="ROMEO:", max_tokens=12,
+                                         temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    many = oai.completions.create(model=model.id, prompt=["a", "b"], n=3, max_tokens=3, seed=1)
+    assert sorted(c.index for c in many.choices) == list(range(6))
+
+    stop = text.strip()[2:4] or text[2:4]
+    stopped = oai.completions.create(model=model.id, prompt="ROMEO:", max_tokens=12, temperature=0,
+                                     stop=[stop], extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[:text.index(stop)]
+
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=model.id, prompt="x", temperature=9)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=oai.base_url, api_key="wrong", max_retries=0).models.list()
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(server):
+    aborted_before = metric(server, 'lmops:request_success_total{finished_reason="abort"}') \
+        if "abort" in requests.get(f"{server.url}/metrics").text else 0.0
+    url = urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    body = {"prompt": "ROMEO: " * 20, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {**AUTH, "Content-Type": "application/json", "X-Request-ID": "gone-away"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")
+    assert metric(server, "lmops:num_requests_running") == 1
+    assert metric(server, "lmops:kv_cache_usage_perc") > 0
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metric(server, "lmops:num_requests_running") > 0:
+        time.sleep(0.05)
+    assert metric(server, "lmops:num_requests_running") == 0
+    assert metric(server, "lmops:kv_cache_usage_perc") == 0
+    assert metric(server, 'lmops:request_success_total{finished_reason="abort"}') == aborted_before + 1
+    while time.monotonic() < deadline and not any(
+            r["request_id"] == "gone-away" for r in server.access_records()):
+        time.sleep(0.05)
+    [record] = [r for r in server.access_records() if r["request_id"] == "gone-away"]
+    assert record["client_disconnected"] is True and record["completion_tokens"] < 200
+
+
+def test_one_json_log_line_per_request_honouring_x_request_id(server):
+    r = requests.post(f"{server.url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 5},
+                      headers={**AUTH, "X-Request-ID": "trace-me-1"}, timeout=30)
+    assert r.status_code == 200 and r.headers["X-Request-ID"] == "trace-me-1"
+    requests.post(f"{server.url}/v1/completions", data="{", timeout=5,
+                  headers={**AUTH, "Content-Type": "application/json", "X-Request-ID": "trace-me-2"})
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(
+            [r for r in server.access_records() if r["request_id"].startswith("trace-me")]) < 2:
+        time.sleep(0.05)
+    records = {r["request_id"]: r for r in server.access_records()}
+    ok, bad = records["trace-me-1"], records["trace-me-2"]
+    assert ok["status"] == 200 and ok["path"] == "/v1/completions"
+    assert ok["prompt_tokens"] > 0 and 1 <= ok["completion_tokens"] <= 5
+    assert 0 < ok["ttft_s"] <= ok["total_s"]
+    assert (bad["status"], bad["error"]) == (400, "invalid_json")
+    assert sum(1 for r in server.access_records() if r["request_id"] == "trace-me-1") == 1
+
+
+def test_body_over_the_limit_is_413_through_gunicorn(server):
+    r = requests.post(f"{server.url}/v1/completions", data=b"x" * (2 << 20), timeout=10,
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_sigterm_drains_in_flight_refuses_new_and_exits_0(model_dir, tmp_path):
+    server = start_server(model_dir, tmp_path / "drain.log")
+    url = urlparse(server.url)
+    stream = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    stream.request("POST", "/v1/completions",
+                   json.dumps({"prompt": "ROMEO:", "max_tokens": 240, "stream": True,
+                               "ignore_eos": True}), {"Content-Type": "application/json"})
+    response = stream.getresponse()
+    first = response.readline()
+    keepalive = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    keepalive.request("GET", "/ready")
+    assert keepalive.getresponse().read()
+    time.sleep(0.2)  # parked as an idle keep-alive connection (gunicorn closes, not parks, after TERM)
+
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    keepalive.request("POST", "/v1/completions", json.dumps({"prompt": "late"}),
+                      {"Content-Type": "application/json"})
+    late = keepalive.getresponse()
+    assert late.status == 503 and json.loads(late.read())["error"]["code"] == "shutting_down"
+
+    rest = first + response.read()  # the in-flight stream runs to its end
+    events = [e for e in rest.decode().split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(20) == 0
+    statuses = [r["status"] for r in server.access_records() if r["path"] == "/v1/completions"]
+    assert statuses == [503, 200]  # refused while the stream was still in flight
+
+
+def test_missing_model_stops_start_up_with_one_clear_line(tmp_path):
+    server = start_server(tmp_path / "no-model", tmp_path / "fail.log", wait_ready=False)
+    assert server.proc.wait(60) != 0
+    lines = [line for line in server.log_lines() if "cannot load the model" in line]
+    assert len(lines) == 1 and "no-model" in lines[0] and "config.json" in lines[0]
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_concurrent_requests_share_the_batch(server):
+    results = []
+
+    def one(i):
+        r = requests.post(f"{server.url}/predict", json={"prompt": f"line {i}", "max_tokens": 8},
+                          headers=AUTH, timeout=60)
+        results.append(r.status_code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * 12
