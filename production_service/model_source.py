@@ -53,20 +53,17 @@ def _read_meta(path: Path) -> dict:
 
 
 def _download(uri: str) -> tuple[Path, dict]:
-    import mlflow
     from mlflow.exceptions import MlflowException
 
-    dst = Path(tempfile.mkdtemp(prefix="lmops-model-"))
+    from lmops.tracking import download_model_dir
+
+    path = download_model_dir(uri, Path(tempfile.mkdtemp(prefix="lmops-model-")))
     try:
-        root = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
         registry = _registry_facts(uri)
     except MlflowException as exc:
         raise LmopsError(f"cannot resolve {uri}: {exc.message}") from None
-    configs = sorted(root.rglob("config.json"), key=lambda p: len(p.parts))
-    if not configs:
-        raise LmopsError(f"{uri}: the downloaded artifacts hold no model directory (no config.json)")
-    log.info("resolved %s to %s", uri, configs[0].parent)
-    return configs[0].parent, registry
+    log.info("resolved %s to %s", uri, path)
+    return path, registry
 
 
 def _registry_facts(uri: str) -> dict:
