@@ -5,13 +5,8 @@
     loop = EngineLoop(engine).start(); stream = loop.submit(prompt, params)
 """
 
-from lmops.engine.engine import (
-           EngineLoop,
-           LLMEngine,
-           PromptTooLongError,
-           QueueFullError,
-           RequestStream,
-)
+from lmops.engine.engine import LLMEngine, PromptTooLongError
+from lmops.engine.loop import EngineLoop, QueueFullError, RequestStream
 from lmops.engine.metrics import EngineMetrics, RequestMetrics
 from lmops.engine.sampling import SamplingParams
 from lmops.engine.sequence import CompletionOutput, RequestOutput

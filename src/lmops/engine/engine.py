@@ -1,8 +1,7 @@
-"""`LLMEngine` (add_request / step / abort / generate) and `EngineLoop`, its thread-safe front.
+"""`LLMEngine`: add_request / step / abort / generate over the scheduler, runner and sampler.
 
 The engine is single-threaded by design: one owner calls `step()`. The service shares
-it through `EngineLoop`, whose background thread is that owner; other threads only
-`submit` (validated synchronously, so bad input fails in the caller) and read streams.
+it through `EngineLoop` (loop.py), whose background thread is that owner.
 """
 
 from __future__ import annotations
@@ -11,9 +10,7 @@ import itertools
 import json
 import logging
 import os
-import queue
-import threading
-from collections import deque
+import uuid
 from pathlib import Path
 
 import torch
@@ -45,17 +42,20 @@ class PromptTooLongError(ValueError):
     """The prompt leaves no room for a generated token within the model's context."""
 
 
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting; the caller should retry later (HTTP 429/503)."""
-
-
-def _positive_int(name: str, value) -> int:
+def positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return value
 
 
 class LLMEngine:
+    """Continuous-batching generation over a paged KV cache for one model.
+
+    Owned by one thread: `add_request`, `step` and `abort` are not thread-safe (EngineLoop
+    is the thread-safe front). The model's q/k/v and gate/up weights become views into
+    fused tensors (see runner.FusedForward): numerically the same model, less overhead.
+    """
+
     def __init__(self, model: Llama, tokenizer: Tokenizer, *, block_size: int = 16,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
@@ -63,9 +63,9 @@ class LLMEngine:
         cfg = model.config
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, cfg
         self.max_model_len = cfg.block_size
-        self.block_size = _positive_int("block_size", block_size)
-        self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
-        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.block_size = positive_int("block_size", block_size)
+        self.max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else [cfg.eos_token_id])
@@ -77,14 +77,17 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
-        self._request_ids = itertools.count()
         log.info("engine: %d KV blocks of %d tokens (%.1f MiB), device %s, %s", num_blocks,
                  block_size, self.pool.nbytes / 2**20, self.device, self.dtype)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, device: str = "auto", dtype: str | torch.dtype = "auto",
-                        **kwargs) -> LLMEngine:
-        """Load a model directory (config.json, model.safetensors, tokenizer.json, ...)."""
+                        block_size: int = 16, kv_cache_memory: int | None = None, max_num_seqs: int = 64,
+                        max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True) -> LLMEngine:
+        """Load a model directory (config.json, model.safetensors, tokenizer.json, and
+        generation_config.json for extra EOS ids when present). `device` "auto" = CUDA if
+        present; `dtype` "auto" = bfloat16 on CUDA, float32 on CPU; `kv_cache_memory` in bytes
+        (default: room for max_num_seqs full-length sequences twice over, capped by free memory)."""
         d = Path(model_dir)
         if not d.is_dir():
             raise LmopsError(f"{d}: model directory not found")
@@ -102,9 +105,14 @@ class LLMEngine:
         eos = {model.config.eos_token_id}
         gen_cfg = d / "generation_config.json"
         if gen_cfg.is_file():
-            value = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            try:
+                value = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            except (json.JSONDecodeError, AttributeError) as exc:
+                raise LmopsError(f"{gen_cfg}: unreadable generation config ({exc})") from None
             eos |= set(value if isinstance(value, list) else [] if value is None else [value])
-        return cls(model, tokenizer, eos_token_ids=sorted(eos), **kwargs)
+        return cls(model, tokenizer, block_size=block_size, kv_cache_memory=kv_cache_memory,
+                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                   enable_prefix_caching=enable_prefix_caching, eos_token_ids=sorted(eos))
 
     def _num_blocks(self, kv_cache_memory: int | None) -> int:
         per_block = KVPool.bytes_per_block(self.config, self.block_size, self.dtype)
@@ -153,7 +161,7 @@ class LLMEngine:
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        rid = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        rid = request_id if request_id is not None else uuid.uuid4().hex
         return Request(str(rid), text, ids, params, max_tokens, now())
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | Request,
@@ -236,19 +244,23 @@ class LLMEngine:
                 logits = logits[torch.tensor(rows, device=logits.device)]
             result = sample(logits, targets) if targets else None
             t = now()
+            counts: dict[str, int] = {}
             for k, seq in enumerate(targets):
                 req = seq.request
                 seq.append(result.token_ids[k], result.logprobs[k], self.eos_token_ids, req.max_tokens)
                 if seq.is_finished:
                     self.scheduler.remove(seq)
                 touched.setdefault(req.request_id, req)
-            for req in touched.values():
-                self.metrics.on_tokens(req.metrics, t, sum(1 for s in targets if s.request is req))
+                counts[req.request_id] = counts.get(req.request_id, 0) + 1
+            for rid, req in touched.items():
+                self.metrics.on_tokens(req.metrics, t, counts[rid])
         outputs = []
         for rid, req in touched.items():
             if req.finished:
                 del self.requests[rid]
                 self.metrics.on_finished(req.metrics, req.seqs[0].finish_reason, t)
+            elif req.final_only:
+                continue
             outputs.append(make_output(req))
         self._update_gauges()
         return outputs
@@ -278,6 +290,8 @@ class LLMEngine:
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         reqs = [self.make_request(None, p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        for r in reqs:
+            r.final_only = True
         ids = [self.add_request(None, r) for r in reqs]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
@@ -287,168 +301,3 @@ class LLMEngine:
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
-
-
-class RequestStream:
-    """Blocking iterator over one request's incremental outputs; ends after the finished one."""
-
-    def __init__(self, loop: EngineLoop, request_id: str):
-        self.request_id = request_id
-        self._loop = loop
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = False
-
-    def _put(self, item) -> None:
-        self._queue.put(item)
-
-    def __iter__(self) -> RequestStream:
-        return self
-
-    def __next__(self) -> RequestOutput:
-        item = self.get()
-        if item is None:
-            raise StopIteration
-        return item
-
-    def get(self, timeout: float | None = None) -> RequestOutput | None:
-        """The next output; None once finished. Raises queue.Empty after `timeout` seconds."""
-        if self._done:
-            return None
-        item = self._queue.get(timeout=timeout)
-        if isinstance(item, BaseException):
-            self._done = True
-            raise RuntimeError(f"engine loop failed: {item!r}") from item
-        self._done = item.finished
-        return item
-
-    def cancel(self) -> None:
-        """Abort the request (its blocks are freed); the stream ends with finish_reason "abort"."""
-        self._loop._cancel(self.request_id)
-
-
-class EngineLoop:
-    """One background thread drives `engine.step()`; any thread may submit and stream."""
-
-    def __init__(self, engine: LLMEngine, max_queued: int = 256, stall_timeout: float = 60.0):
-        self.engine = engine
-        self.max_queued = _positive_int("max_queued", max_queued)
-        self.stall_timeout = stall_timeout
-        self._cv = threading.Condition()
-        self._inbox: deque[Request] = deque()
-        self._cancels: deque[str] = deque()
-        self._streams: dict[str, RequestStream] = {}
-        self._accepting = True
-        self._deadline: float | None = None   # set by shutdown
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._last_progress = now()
-        self._waiting = self._running = 0
-
-    def start(self) -> EngineLoop:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="lmops-engine-loop", daemon=True)
-            self._thread.start()
-        return self
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._inbox) + self._waiting
-
-    @property
-    def num_running(self) -> int:
-        return self._running
-
-    def _pending(self) -> bool:
-        return bool(self._inbox or self._streams)
-
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> RequestStream:
-        req = self.engine.make_request(request_id, prompt, params)  # raises ValueError here
-        with self._cv:
-            if not self._accepting:
-                raise RuntimeError("shutting down")
-            if self._error is not None or self._thread is None or not self._thread.is_alive():
-                raise RuntimeError("engine loop is not running")
-            if self.num_waiting >= self.max_queued:
-                raise QueueFullError(f"{self.num_waiting} requests are already waiting "
-                                     f"(max_queued={self.max_queued})")
-            if req.request_id in self._streams:
-                raise ValueError(f"request_id {req.request_id!r} is already in use")
-            if not self._pending():
-                self._last_progress = now()
-            stream = self._streams[req.request_id] = RequestStream(self, req.request_id)
-            self._inbox.append(req)
-            self._cv.notify()
-        return stream
-
-    def _cancel(self, request_id: str) -> None:
-        with self._cv:
-            self._cancels.append(request_id)
-            self._cv.notify()
-
-    def healthy(self) -> bool:
-        """Thread alive, no crash, and steps completing while there is work."""
-        if self._error is not None or self._thread is None or not self._thread.is_alive():
-            return False
-        with self._cv:
-            return not self._pending() or now() - self._last_progress < self.stall_timeout
-
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Refuse new work, let in-flight requests finish for `timeout` s, abort the rest, join."""
-        with self._cv:
-            self._accepting = False
-            self._deadline = now() + timeout
-            self._cv.notify()
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join()
-        else:
-            self._abort_all()
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        with self._cv:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream._put(out)
-                    if out.finished:
-                        del self._streams[out.request_id]
-
-    def _abort_all(self) -> None:
-        with self._cv:
-            inbox, self._inbox = list(self._inbox), deque()
-        for req in inbox:
-            self.engine.add_request(None, req)
-        self._deliver([o for rid in list(self.engine.requests) if (o := self.engine.abort(rid))])
-
-    def _run(self) -> None:
-        eng = self.engine
-        try:
-            while True:
-                with self._cv:
-                    while not (self._inbox or self._cancels or self._deadline is not None
-                               or eng.has_unfinished_requests()):
-                        self._cv.wait()
-                    for req in self._inbox:  # under the lock: num_waiting never undercounts
-                        eng.add_request(None, req)
-                    if self._inbox:
-                        self._inbox.clear()
-                        self._waiting = eng.num_waiting
-                    cancels, self._cancels = list(self._cancels), deque()
-                    deadline = self._deadline
-                self._deliver([o for rid in cancels if (o := eng.abort(rid))])
-                if deadline is not None and (now() >= deadline or not eng.has_unfinished_requests()):
-                    self._abort_all()
-                    return
-                if eng.has_unfinished_requests():
-                    outputs = eng.step()
-                    with self._cv:
-                        self._last_progress = now()
-                        self._waiting, self._running = eng.num_waiting, eng.num_running
-                    self._deliver(outputs)
-        except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting stream
-            log.exception("engine loop failed")
-            self._error = exc
-            with self._cv:
-                streams, self._streams = list(self._streams.values()), {}
-            for stream in streams:
-                stream._put(exc)

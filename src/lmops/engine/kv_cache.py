@@ -1,8 +1,8 @@
 """The paged KV cache: a preallocated pool of fixed-size blocks, and the block manager.
 
-Pool layout per layer is (n_kv_heads, num_blocks, block_size, head_dim): heads
+Pool layout per layer is (2 * n_kv_heads, num_blocks, block_size, head_dim): heads
 outermost, so gathering a batch's blocks with one `index_select` yields
-(Hkv, batch, tokens, D), which attention consumes without a further copy.
+(heads, batch, tokens, D), which attention consumes without a further copy.
 
 The block manager owns which block holds what. A sequence holds a block table
 and allocates blocks only as its tokens arrive, so at most its last block is
@@ -29,13 +29,15 @@ if TYPE_CHECKING:
 
 
 class KVPool:
-    """K and V tensors of shape (n_layer, n_kv_heads, num_blocks, block_size, head_dim)."""
+    """K and V of every layer in one tensor, (n_layer, 2 * n_kv_heads, num_blocks, block_size,
+    head_dim): K heads then V heads, so one index_copy_ writes both and one index_select
+    gathers both."""
 
     def __init__(self, cfg: LlamaConfig, num_blocks: int, block_size: int, device, dtype):
-        shape = (cfg.n_layer, cfg.n_kv_heads, num_blocks, block_size, cfg.head_dim)
+        shape = (cfg.n_layer, 2 * cfg.n_kv_heads, num_blocks, block_size, cfg.head_dim)
         # Zeros, not empty: padded attention reads unused slots, which must be finite.
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = self.kv[:, :cfg.n_kv_heads], self.kv[:, cfg.n_kv_heads:]
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod
@@ -45,16 +47,15 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.kv.nbytes
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block src into dst in every layer."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.k.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.k.device)
-        for cache in (self.k, self.v):
-            cache[:, :, dst] = cache[:, :, src]
+        src = torch.tensor([s for s, _ in pairs], device=self.kv.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.kv.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]
 
 
 def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
@@ -165,6 +166,8 @@ class BlockManager:
         """Make seq's block table cover `num_tokens` tokens, taking the prefix-cache `hits`
         first (only for a sequence without blocks). All or nothing: None if too few free
         blocks. Returns the copy-on-write (src, dst) pairs to apply before the forward."""
+        if not hits and len(seq.block_table) * self.block_size >= num_tokens and not self._needs_cow(seq):
+            return []  # the common decode step: room left in the last block
         if self.num_new_blocks(seq, num_tokens, hits) > len(self.free_queue):
             return None
         for bid in hits:

@@ -165,6 +165,18 @@ class SampleResult:
     logprobs: list[dict | None]
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first maximum on ties). torch's CPU argmax is a scalar loop; for
+    big batches take the max of 64-wide chunks first (vectorized), then argmax inside the
+    winning chunk: same answer, several times faster."""
+    N, V = x.shape
+    if N < 8 or V % 64 or x.device.type != "cpu":
+        return x.argmax(-1)
+    chunks = x.view(N, V // 64, 64)
+    best = chunks.amax(-1).argmax(-1)
+    return best * 64 + chunks[torch.arange(N), best].argmax(-1)
+
+
 def sample(logits: torch.Tensor, seqs: list[SampleInput]) -> SampleResult:
     """One token per row of `logits` (N, V); row i belongs to `seqs[i]`."""
     logits = logits.float()
@@ -174,7 +186,7 @@ def sample(logits: torch.Tensor, seqs: list[SampleInput]) -> SampleResult:
     logits = apply_penalties(logits, seqs)
     greedy = [p.greedy for p in params]
     if all(greedy):
-        tokens = logits.argmax(-1)
+        tokens = argmax(logits)
     else:
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                              device=logits.device)[:, None]
@@ -183,10 +195,10 @@ def sample(logits: torch.Tensor, seqs: list[SampleInput]) -> SampleResult:
         for i, s in enumerate(seqs):
             if s.generator is not None and not greedy[i]:
                 q[i].exponential_(generator=s.generator)
-        drawn = (probs / q.clamp_min_(1e-10)).argmax(-1)
+        drawn = argmax(probs / q.clamp_min_(1e-10))
         if any(greedy):
             mask = torch.tensor(greedy, device=logits.device)
-            drawn = torch.where(mask, logits.argmax(-1), drawn)
+            drawn = torch.where(mask, argmax(logits), drawn)
         tokens = drawn
     token_ids = tokens.tolist()
     return SampleResult(token_ids, _logprobs(raw_logprobs, token_ids, params))

@@ -8,6 +8,7 @@ sequences that share the prompt's KV blocks.
 
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass, field
 
@@ -171,6 +172,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.seqs: list[Sequence] = []
         self.aborted = False
+        self.final_only = False  # generate() needs no intermediate outputs: skip building them
 
     @property
     def finished(self) -> bool:
@@ -224,7 +226,5 @@ def make_output(req: Request) -> RequestOutput:
             finish_reason=s.finish_reason, stop_reason=s.stop_reason,
             logprobs=None if s.logprobs is None else list(s.logprobs)))
         s.sent_text, s.sent_tokens = s.visible, len(ids)
-    m = req.metrics
-    snapshot = RequestMetrics(**{k: getattr(m, k) for k in m.__dataclass_fields__})
     return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
-                         req.finished, snapshot)
+                         req.finished, copy.copy(req.metrics))

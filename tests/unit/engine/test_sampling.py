@@ -1,0 +1,147 @@
+"""SamplingParams validation and the batched sampler's semantics."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lmops.engine import SamplingParams
+from lmops.engine.sampling import apply_penalties, sample
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    ("n", 0, ">= 1"),
+    ("n", 1.5, ">= 1"),
+    ("temperature", -0.1, ">= 0"),
+    ("temperature", math.nan, ">= 0"),
+    ("top_p", 0.0, "(0, 1]"),
+    ("top_p", 1.1, "(0, 1]"),
+    ("top_k", -2, "0 / -1"),
+    ("min_p", 1.5, "[0, 1]"),
+    ("presence_penalty", 2.5, "[-2, 2]"),
+    ("frequency_penalty", -3, "[-2, 2]"),
+    ("repetition_penalty", 0, "(0, 2]"),
+    ("max_tokens", 0, ">= 1"),
+    ("stop", ["ok", ""], "non-empty"),
+    ("stop", 5, "non-empty"),
+    ("stop_token_ids", [-1], "token ids"),
+    ("seed", "7", "integer"),
+    ("logprobs", 21, "[0, 20]"),
+    ("logprobs", -1, "[0, 20]"),
+    ("ignore_eos", 1, "bool"),
+])
+def test_invalid_values_name_field_and_range(field, value, allowed):
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**{field: value})
+    assert field in str(exc.value) and allowed in str(exc.value)
+
+
+def test_valid_values_and_normalisation():
+    p = SamplingParams(stop="###", top_k=-1, max_tokens=None, logprobs=0, seed=-5)
+    assert p.stop == ["###"] and p.stop_token_ids == []
+    assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+
+
+def row(params, generator=None, prompt=(), output=()):
+    return SimpleNamespace(params=params, generator=generator, prompt_token_ids=list(prompt),
+                           output_token_ids=list(output))
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
+
+
+def test_seeded_rows_ignore_batch_mates():
+    p = SamplingParams(temperature=1.0, seed=11)
+    alone_gen, batch_gen = gen(11), gen(11)
+    alone, batched = [], []
+    noise = torch.randn(5, 6)
+    for _ in range(50):
+        alone.append(sample(LOGITS[None], [row(p, alone_gen)]).token_ids[0])
+        logits = torch.cat([noise, LOGITS[None], noise])
+        rows = [row(SamplingParams(temperature=0.7))] * 5 + [row(p, batch_gen)] + \
+               [row(SamplingParams(temperature=0))] * 5
+        batched.append(sample(logits, rows).token_ids[5])
+    assert alone == batched
+    assert len(set(alone)) > 1  # actually random
+
+
+def test_draws_follow_the_distribution():
+    """20000 seeded draws: each frequency within 0.015 of softmax (deterministic, no flakes)."""
+    g = gen(0)
+    logits = LOGITS[None].expand(20000, -1)
+    rows = [row(SamplingParams(temperature=1.0), g)] * 20000
+    counts = torch.bincount(torch.tensor(sample(logits, rows).token_ids), minlength=6).float()
+    assert torch.allclose(counts / 20000, LOGITS.softmax(-1), atol=0.015)
+
+
+def test_temperature_sharpens():
+    g = gen(1)
+    rows = [row(SamplingParams(temperature=0.25), g)] * 4000
+    ids = torch.tensor(sample(LOGITS[None].expand(4000, -1), rows).token_ids)
+    assert (ids == 0).float().mean() > 0.85  # p(0) = softmax(4 * logits)[0] ~ 0.87
+
+
+@pytest.mark.parametrize(("kw", "allowed"), [
+    ({"top_k": 2}, {0, 1}),
+    ({"top_p": 0.6}, {0, 1}),       # probs 0.50, 0.30, 0.18, ...: 0.5 < 0.6, 0.8 >= 0.6
+    ({"min_p": 0.5}, {0, 1}),       # p(1)/p(0) = 0.61, p(2)/p(0) = 0.37
+    ({"top_k": 1}, {0}),
+    ({"top_p": 0.01}, {0}),
+])
+def test_filters_restrict_the_support(kw, allowed):
+    g = gen(2)
+    rows = [row(SamplingParams(temperature=1.0, **kw), g)] * 3000
+    ids = set(sample(LOGITS[None].expand(3000, -1), rows).token_ids)
+    assert ids == allowed
+
+
+def test_penalties_match_their_definition():
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, 0.0]])
+    p = SamplingParams(repetition_penalty=1.5, presence_penalty=0.25, frequency_penalty=0.5)
+    out = apply_penalties(logits, [row(p, prompt=[0], output=[1, 1, 3])])
+    expected = torch.tensor([[1.0 / 1.5,                      # prompt token: repetition only
+                              -1.0 * 1.5 - 2 * 0.5 - 0.25,    # output twice
+                              2.0,                            # unseen
+                              0.5 / 1.5 - 0.5 - 0.25,         # output once
+                              0.0]])
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(apply_penalties(logits, [row(SamplingParams())]), logits)
+
+
+def test_greedy_takes_penalties_into_account():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert sample(logits, [row(SamplingParams(temperature=0))]).token_ids == [0]
+    p = SamplingParams(temperature=0, frequency_penalty=1.0)
+    assert sample(logits, [row(p, output=[0])]).token_ids == [1]
+
+
+def test_logprobs_are_raw_model_logprobs():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 0.0]])
+    rows = [row(SamplingParams(temperature=0, logprobs=2, repetition_penalty=2.0), output=[1]),
+            row(SamplingParams(temperature=0))]
+    res = sample(logits, rows)
+    ref = torch.log_softmax(logits[0], -1)
+    assert res.token_ids == [2, 2]   # the penalty moved greedy off token 1 ...
+    lp = res.logprobs[0]             # ... but logprobs describe the model's own distribution
+    assert lp["token_id"] == 2 and lp["logprob"] == pytest.approx(ref[2].item())
+    assert list(lp["top"]) == [1, 2] and lp["top"][1] == pytest.approx(ref[1].item())
+    assert res.logprobs[1] is None
+    zero = sample(logits[:1], [row(SamplingParams(temperature=0, logprobs=0))]).logprobs[0]
+    assert zero["top"] == {} and zero["token_id"] == 1
+
+
+@pytest.mark.parametrize("shape", [(3, 512), (40, 512), (40, 500)])
+def test_fast_argmax_matches_torch_including_ties(shape):
+    from lmops.engine.sampling import argmax
+
+    x = torch.randint(0, 6, shape).float()  # many ties: the first maximum must win
+    assert torch.equal(argmax(x), x.argmax(-1))
+    y = torch.randn(shape)
+    assert torch.equal(argmax(y), y.argmax(-1))
