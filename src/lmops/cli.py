@@ -1,4 +1,4 @@
-"""`lmops` entry point: one subcommand per pipeline stage, plus generate and serve.
+"""`lmops` entry point: one subcommand per pipeline stage, plus generate, bench and serve.
 
 Every user-fixable problem is an `LmopsError`: printed as one line, exit code 1,
 no traceback. Stages run from the repository root (paths are relative to it).
@@ -48,12 +48,56 @@ def _run_stage(name: str, args: argparse.Namespace) -> None:
         promote(params, force=args.force)
 
 
-def _generate(args: argparse.Namespace) -> None:
-    from lmops.generate import Sampling, complete_from_dir
+def _sampling(args: argparse.Namespace):
+    from lmops.engine import SamplingParams
 
-    sampling = Sampling(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed)
-    for completion in complete_from_dir(args.model, [args.prompt], sampling, args.device):
-        print(args.prompt + completion)
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    except ValueError as exc:
+        raise LmopsError(str(exc)) from None
+
+
+def _generate(args: argparse.Namespace) -> None:
+    """Stream one completion to stdout as the engine produces it."""
+    from lmops.engine import LLMEngine
+
+    sampling = _sampling(args)
+    engine = LLMEngine.from_pretrained(args.model, device=args.device, max_num_seqs=1)
+    try:
+        engine.add_request("cli", args.prompt, sampling)
+    except ValueError as exc:
+        raise LmopsError(str(exc)) from None
+    print(args.prompt, end="", flush=True)
+    finished = None
+    while finished is None:
+        for out in engine.step():
+            print(out.outputs[0].delta_text, end="", flush=True)
+            finished = out if out.finished else None
+    print()
+    m = finished.metrics
+    log.info("%d tokens, TTFT %.1f ms, %.1f tokens/s, finish: %s", m.num_generation_tokens, 1000 * m.ttft,
+             m.num_generation_tokens / max(m.e2e_latency, 1e-9), finished.outputs[0].finish_reason)
+
+
+def _bench(args: argparse.Namespace) -> None:
+    """Quick engine throughput on a model directory: N concurrent requests, one table."""
+    import statistics
+
+    from lmops.engine import LLMEngine
+
+    engine = LLMEngine.from_pretrained(args.model, device=args.device)
+    sampling = _sampling(args)
+    prompts = [f"def function_{i}(x):\n    " for i in range(args.requests)]
+    engine.generate(prompts[:1], sampling)  # warm-up
+    started = time.perf_counter()
+    outs = engine.generate(prompts, sampling)
+    elapsed = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = sorted(1000 * o.metrics.ttft for o in outs)
+    print(f"requests {len(outs)}  output tokens {tokens}  wall {elapsed:.2f} s  "
+          f"throughput {tokens / elapsed:.0f} tok/s  TTFT p50 {statistics.median(ttft):.0f} ms  "
+          f"p95 {ttft[int(0.95 * (len(ttft) - 1))]:.0f} ms")
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -71,15 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(stage, help=f"run the {stage} stage alone")
         if stage == "promote":
             p.add_argument("--force", action="store_true", help="promote even if the champion is better")
-    gen = sub.add_parser("generate", help="sample a completion from a model directory")
-    gen.add_argument("--model", type=Path, default=Path("production_service/model"))
+    gen = sub.add_parser("generate", help="stream a completion from a model directory (the engine)")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=50)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--seed", type=int, default=1337)
-    gen.add_argument("--device", default="auto")
+    bench = sub.add_parser("bench", help="engine throughput on a model directory (full suite: benchmarks/)")
+    bench.add_argument("--requests", type=int, default=32)
+    for p, max_tokens in ((gen, 64), (bench, 128)):
+        p.add_argument("--model", type=Path, default=Path("production_service/model"))
+        p.add_argument("--max-tokens", type=int, default=max_tokens)
+        p.add_argument("--temperature", type=float, default=0.8)
+        p.add_argument("--top-k", type=int, default=50)
+        p.add_argument("--top-p", type=float, default=0.95)
+        p.add_argument("--seed", type=int, default=1337)
+        p.add_argument("--device", default="auto")
     srv = sub.add_parser("serve", help="run the inference service (gunicorn) on a model directory")
     srv.add_argument("--model", type=Path, default=Path("production_service/model"))
     return parser
@@ -97,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             _run_stage(args.command, args)
         elif args.command == "generate":
             _generate(args)
+        elif args.command == "bench":
+            _bench(args)
         elif args.command == "serve":
             _serve(args)
     except LmopsError as exc:

@@ -23,7 +23,6 @@ from lmops import atomic, tracking
 from lmops.config import EvaluateConfig, Params
 from lmops.data import PROCESSED_DIR
 from lmops.errors import LmopsError
-from lmops.generate import Sampling, complete
 from lmops.model import Llama, resolve_device
 from lmops.tokenizer import encode, load_tokenizer, token_byte_lengths
 from lmops.train import MODEL_DIR
@@ -82,6 +81,17 @@ def read_test_split(data_dir: Path = PROCESSED_DIR) -> tuple[str, str]:
     return raw.decode("utf-8"), hashlib.sha256(raw).hexdigest()
 
 
+def sample_completions(model_dir: Path, cfg: EvaluateConfig, device: str) -> list[tuple[str, str]]:
+    """(prompt, completion) pairs from the inference engine, seeded."""
+    from lmops.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_pretrained(model_dir, device=device, max_num_seqs=len(cfg.prompts))
+    sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                              max_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    outs = engine.generate(list(cfg.prompts), sampling)
+    return [(prompt, out.text) for prompt, out in zip(cfg.prompts, outs, strict=True)]
+
+
 def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCESSED_DIR) -> dict:
     cfg = params.evaluate
     meta = read_model_meta(model_dir)
@@ -93,8 +103,7 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
     metrics["val_loss"] = meta.get("metrics", {}).get("val_loss")
     metrics["test_split_sha256"] = test_sha
 
-    sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
-    samples = [(p, complete(model, tokenizer, p, sampling)) for p in cfg.prompts]
+    samples = sample_completions(model_dir, cfg, params.train.device)
     lines = [f"# Samples (temperature {cfg.temperature}, top_k {cfg.top_k}, top_p {cfg.top_p}, "
              f"seed {cfg.seed}, run {meta.get('run_id')})", ""]
     for prompt, completion in samples:

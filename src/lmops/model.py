@@ -286,9 +286,9 @@ class Llama(nn.Module):
 class KVCache:
     """Contiguous per-layer K/V buffers for batched generation from position `length`.
 
-    The simple reference the paged engine is checked against, and what
-    `lmops generate` uses: each step attends to everything cached so far, so
-    decoding is linear in the sequence length, not quadratic.
+    The simple reference the paged engine (lmops.engine) is checked against:
+    each step attends to everything cached so far, so decoding is linear in the
+    sequence length, not quadratic.
     """
 
     def __init__(self, cfg: LlamaConfig, batch: int, max_len: int, device, dtype):

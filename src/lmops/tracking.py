@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 
 PYFUNC_FILE = Path(__file__).with_name("mlflow_pyfunc.py")
 MODEL_ARTIFACT = "model"
+PYFUNC_DEPENDENCIES = ("torch", "numpy", "tokenizers", "safetensors", "prometheus-client")
+# Sampling defaults of the pyfunc's predict(); its signature declares them as params.
+PREDICT_DEFAULTS = {"max_tokens": 64, "temperature": 0.8, "top_k": 50, "top_p": 0.95, "seed": 1337}
 
 
 def _mlflow():
@@ -109,20 +112,18 @@ def log_step(run_id: str, row: dict) -> None:
 
 def log_model(run_id: str, model_dir: Path) -> None:
     """Log the model directory as a pickle-free pyfunc (models from code)."""
-    mlflow = _mlflow()
-    import safetensors
-    import tokenizers
-    import torch
+    from importlib.metadata import version
 
+    mlflow = _mlflow()
+    signature = mlflow.models.infer_signature(["def "], ["completion"], params=PREDICT_DEFAULTS)
     with mlflow.start_run(run_id=run_id):
         mlflow.pyfunc.log_model(
+            signature=signature,
             name=MODEL_ARTIFACT,
             python_model=str(PYFUNC_FILE),
             artifacts={"model_dir": str(model_dir)},
             code_paths=[str(Path(__file__).parent)],
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
-                              f"tokenizers=={tokenizers.__version__}",
-                              f"safetensors=={safetensors.__version__}"],
+            pip_requirements=[f"{dist}=={version(dist).split('+')[0]}" for dist in PYFUNC_DEPENDENCIES],
         )
         mlflow.log_artifact(str(model_dir / "lmops.json"))
 

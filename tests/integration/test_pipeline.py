@@ -92,8 +92,13 @@ def test_registry_champion_and_pyfunc(project):
     assert run_.data.params["model.n_layer"] == "2"
     mlflow.set_tracking_uri(f"sqlite:///{project}/mlflow.db")
     model = mlflow.pyfunc.load_model("models:/lmops@champion")
-    out = model.predict(["def ", "import "], params={"max_new_tokens": 5, "temperature": 0.0})
-    assert len(out) == 2 and all(isinstance(s, str) for s in out)
+    out = model.predict(["def ", "import "], params={"max_tokens": 5, "temperature": 0.0})
+    from lmops.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_pretrained(project / "production_service/model")
+    greedy = engine.generate(["def ", "import "], SamplingParams(max_tokens=5, temperature=0.0))
+    assert out == [o.text for o in greedy]
+    assert all(len(o.token_ids) <= 5 for o in greedy)
 
 
 def test_param_change_reruns_only_train_onwards_and_a_worse_model_is_not_promoted(project):
