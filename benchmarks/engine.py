@@ -52,17 +52,26 @@ def build_random_model(directory: Path, max_len: int) -> Path:
     """The default-size model with random weights, plus a 4096-token BPE to decode its output."""
     if SHAKESPEARE.is_file():
         text = SHAKESPEARE.read_text(encoding="utf-8")
-        texts = [text[i:i + 65536] for i in range(0, len(text), 65536)]
+        texts = [text[i : i + 65536] for i in range(0, len(text), 65536)]
     else:  # any text will do: the tokenizer only has to cover the ids the model emits
         rng = random.Random(0)
-        words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
-                 for _ in range(20000)]
+        words = [
+            "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+            for _ in range(20000)
+        ]
         texts = [" ".join(rng.choice(words) for _ in range(5000)) for _ in range(60)]
     tok = train_tokenizer(texts, vocab_size=4096)
     save_tokenizer(tok, directory, max_len)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), n_layer=4, n_head=6, n_kv_heads=2, n_embd=192,
-                      intermediate_size=512, block_size=max_len)
+    cfg = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        n_layer=4,
+        n_head=6,
+        n_kv_heads=2,
+        n_embd=192,
+        intermediate_size=512,
+        block_size=max_len,
+    )
     Llama(cfg).save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return directory
@@ -84,13 +93,18 @@ class HF:
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for i, p in enumerate(batch):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         sync(self.device)
         t = time.perf_counter()
-        out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
-                                  max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                  pad_token_id=0)
+        out = self.model.generate(
+            ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
         sync(self.device)
         assert out.shape[1] == width + new
         return time.perf_counter() - t
@@ -108,6 +122,7 @@ def greedy(new: int) -> SamplingParams:
 
 # -- workloads ----------------------------------------------------------------------------
 
+
 def workload_a(engine: LLMEngine, hf: HF, prompt_len: int, new: int, repeats: int) -> dict:
     rng = random.Random(1)
     prompt = [rng.randrange(3, engine.config.vocab_size) for _ in range(prompt_len)]
@@ -120,13 +135,21 @@ def workload_a(engine: LLMEngine, hf: HF, prompt_len: int, new: int, repeats: in
         t_all = hf.generate([prompt], new)
         theirs.append((new - 1) / (t_all - t_first))
     ours_tps, hf_tps = statistics.median(ours), statistics.median(theirs)
-    return {"prompt_tokens": prompt_len, "new_tokens": new, "engine_decode_tok_s": ours_tps,
-            "hf_decode_tok_s": hf_tps, "speedup": ours_tps / hf_tps, "target": 1.5,
-            "engine_step_ms": 1000 / ours_tps, "prompt": prompt}
+    return {
+        "prompt_tokens": prompt_len,
+        "new_tokens": new,
+        "engine_decode_tok_s": ours_tps,
+        "hf_decode_tok_s": hf_tps,
+        "speedup": ours_tps / hf_tps,
+        "target": 1.5,
+        "engine_step_ms": 1000 / ours_tps,
+        "prompt": prompt,
+    }
 
 
-def workload_b(engine: LLMEngine, hf: HF, n_req: int, lo: int, hi: int, new: int,
-               hf_one_by_one: int, rounds: int) -> dict:
+def workload_b(
+    engine: LLMEngine, hf: HF, n_req: int, lo: int, hi: int, new: int, hf_one_by_one: int, rounds: int
+) -> dict:
     rng = random.Random(2)
     V = engine.config.vocab_size
     prompts = [[rng.randrange(3, V) for _ in range(rng.randint(lo, hi))] for _ in range(n_req)]
@@ -153,7 +176,7 @@ def workload_b(engine: LLMEngine, hf: HF, n_req: int, lo: int, hi: int, new: int
         sync(engine.device)
         ours.append(n_req * new / (time.perf_counter() - t))
         assert all(len(o.token_ids) == new for o in outs)
-        t_pad = sum(hf.generate(prompts[i:i + 16], new) for i in range(0, n_req, 16))
+        t_pad = sum(hf.generate(prompts[i : i + 16], new) for i in range(0, n_req, 16))
         padded.append(n_req * new / t_pad)
     ours_tps, hf_pad = statistics.median(ours), statistics.median(padded)
     peak_i = max(range(len(alloc)), key=lambda i: real[i])
@@ -161,15 +184,30 @@ def workload_b(engine: LLMEngine, hf: HF, n_req: int, lo: int, hi: int, new: int
     k = min(hf_one_by_one, n_req)
     t_seq = sum(hf.generate([p], new) for p in prompts[:k])
     hf_seq = k * new / t_seq
-    return {"requests": n_req, "prompt_tokens": [lo, hi], "new_tokens": new, "rounds": rounds,
-            "engine_tok_s": ours_tps, "engine_tok_s_rounds": ours, "hf_padded16_tok_s_rounds": padded,
-            "hf_one_by_one_tok_s": hf_seq, "hf_one_by_one_sampled": k,
-            "hf_padded16_tok_s": hf_pad, "speedup_vs_one_by_one": ours_tps / hf_seq,
-            "speedup_vs_padded16": ours_tps / hf_pad, "targets": [8.0, 2.0],
-            "kv_waste": {"allocated_over_real": sum(alloc) / sum(real),
-                         "at_peak_allocated_over_real": alloc[peak_i] / real[peak_i],
-                         "peak_real_tokens": real[peak_i], "pool_blocks": bm.num_blocks,
-                         "block_size": bs, "steps_sampled": len(alloc), "target": 1.05}}
+    return {
+        "requests": n_req,
+        "prompt_tokens": [lo, hi],
+        "new_tokens": new,
+        "rounds": rounds,
+        "engine_tok_s": ours_tps,
+        "engine_tok_s_rounds": ours,
+        "hf_padded16_tok_s_rounds": padded,
+        "hf_one_by_one_tok_s": hf_seq,
+        "hf_one_by_one_sampled": k,
+        "hf_padded16_tok_s": hf_pad,
+        "speedup_vs_one_by_one": ours_tps / hf_seq,
+        "speedup_vs_padded16": ours_tps / hf_pad,
+        "targets": [8.0, 2.0],
+        "kv_waste": {
+            "allocated_over_real": sum(alloc) / sum(real),
+            "at_peak_allocated_over_real": alloc[peak_i] / real[peak_i],
+            "peak_real_tokens": real[peak_i],
+            "pool_blocks": bm.num_blocks,
+            "block_size": bs,
+            "steps_sampled": len(alloc),
+            "target": 1.05,
+        },
+    }
 
 
 def workload_c(model_dir: Path, device: str, n_req: int, prefix_len: int, own: int, new: int) -> dict:
@@ -183,10 +221,18 @@ def workload_c(model_dir: Path, device: str, n_req: int, prefix_len: int, own: i
         outs = engine.generate(prompts, greedy(new))
         ttfts = [o.metrics.ttft for o in outs]
         out["on" if caching else "off"] = {
-            "median_ttft_s": statistics.median(ttfts), "max_ttft_s": max(ttfts),
-            "prefix_hit_tokens": engine.metrics.registry.get_sample_value("lmops:prefix_cache_hits_total")}
-    out.update(requests=n_req, prefix_tokens=prefix_len, own_tokens=own, new_tokens=new, target=5.0,
-               ttft_ratio=out["off"]["median_ttft_s"] / out["on"]["median_ttft_s"])
+            "median_ttft_s": statistics.median(ttfts),
+            "max_ttft_s": max(ttfts),
+            "prefix_hit_tokens": engine.metrics.registry.get_sample_value("lmops:prefix_cache_hits_total"),
+        }
+    out.update(
+        requests=n_req,
+        prefix_tokens=prefix_len,
+        own_tokens=own,
+        new_tokens=new,
+        target=5.0,
+        ttft_ratio=out["off"]["median_ttft_s"] / out["on"]["median_ttft_s"],
+    )
     return out
 
 
@@ -223,15 +269,36 @@ def decode_floor(engine: LLMEngine, prompt: list[int], step_ms: float) -> dict:
         sync(engine.device)
         wall = (time.perf_counter() - t) / 10
     engine.abort("profiled")
-    groups = {"matmul (projections, MLP, lm_head)": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul",
-                                                     "aten::linear"),
-              "attention (SDPA)": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
-              "KV writes and block gathers": ("aten::index_copy", "aten::index_select"),
-              "elementwise (RMSNorm, RoPE, SiLU, residual)": (
-                  "aten::mul", "aten::add", "aten::rsqrt", "aten::pow", "aten::mean", "aten::silu",
-                  "aten::cat", "aten::neg", "aten::cos", "aten::sin", "aten::to", "aten::_to_copy",
-                  "aten::copy_", "aten::embedding", "aten::slice", "aten::chunk"),
-              "sampling (argmax etc.)": ("aten::argmax", "aten::topk", "aten::softmax", "aten::_log_softmax")}
+    groups = {
+        "matmul (projections, MLP, lm_head)": (
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "aten::matmul",
+            "aten::linear",
+        ),
+        "attention (SDPA)": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
+        "KV writes and block gathers": ("aten::index_copy", "aten::index_select"),
+        "elementwise (RMSNorm, RoPE, SiLU, residual)": (
+            "aten::mul",
+            "aten::add",
+            "aten::rsqrt",
+            "aten::pow",
+            "aten::mean",
+            "aten::silu",
+            "aten::cat",
+            "aten::neg",
+            "aten::cos",
+            "aten::sin",
+            "aten::to",
+            "aten::_to_copy",
+            "aten::copy_",
+            "aten::embedding",
+            "aten::slice",
+            "aten::chunk",
+        ),
+        "sampling (argmax etc.)": ("aten::argmax", "aten::topk", "aten::softmax", "aten::_log_softmax"),
+    }
     totals = dict.fromkeys(groups, 0.0)
     top = []
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -248,41 +315,80 @@ def decode_floor(engine: LLMEngine, prompt: list[int], step_ms: float) -> dict:
     breakdown = {g: v / 1000 for g, v in totals.items()}
     breakdown["other aten ops"] = (op_total - sum(totals.values())) / 1000
     breakdown["python / framework overhead (wall - aten self time)"] = max(0.0, wall * 1000 - op_total / 1000)
-    return {"weight_bytes": weight_bytes, "dram_bandwidth_gb_s": dram / 1e9,
-            "cache_bandwidth_gb_s_8mib": cache / 1e9,
-            "floor_ms_dram": weight_bytes / dram * 1000, "floor_ms_cache": weight_bytes / cache * 1000,
-            "decode_step_ms": step_ms, "profiled_step_ms": wall * 1000,
-            "breakdown_ms_per_step": breakdown, "top_ops": top}
+    return {
+        "weight_bytes": weight_bytes,
+        "dram_bandwidth_gb_s": dram / 1e9,
+        "cache_bandwidth_gb_s_8mib": cache / 1e9,
+        "floor_ms_dram": weight_bytes / dram * 1000,
+        "floor_ms_cache": weight_bytes / cache * 1000,
+        "decode_step_ms": step_ms,
+        "profiled_step_ms": wall * 1000,
+        "breakdown_ms_per_step": breakdown,
+        "top_ops": top,
+    }
 
 
 # -- report -------------------------------------------------------------------------------
+
 
 def table(r: dict) -> str:
     a, b, c = r["A"], r["B"], r["C"]
     d = b["kv_waste"]
     rows = [
-        ("A: decode tok/s, 1 req", f"{a['engine_decode_tok_s']:.0f}", f"{a['hf_decode_tok_s']:.0f} (HF generate)",
-         f"{a['speedup']:.2f}x", ">= 1.5x"),
-        ("B: output tok/s, vs HF 1-by-1", f"{b['engine_tok_s']:.0f}", f"{b['hf_one_by_one_tok_s']:.0f}",
-         f"{b['speedup_vs_one_by_one']:.2f}x", ">= 8x"),
-        ("B: output tok/s, vs HF padded x16", f"{b['engine_tok_s']:.0f}", f"{b['hf_padded16_tok_s']:.0f}",
-         f"{b['speedup_vs_padded16']:.2f}x", ">= 2x"),
-        ("C: median TTFT, prefix cache on/off", f"{c['on']['median_ttft_s'] * 1000:.0f} ms",
-         f"{c['off']['median_ttft_s'] * 1000:.0f} ms (off)", f"{c['ttft_ratio']:.1f}x lower", ">= 5x"),
-        ("D: KV allocated / real tokens", f"{d['allocated_over_real']:.3f}",
-         f"at peak {d['at_peak_allocated_over_real']:.3f}", "", "<= 1.05"),
+        (
+            "A: decode tok/s, 1 req",
+            f"{a['engine_decode_tok_s']:.0f}",
+            f"{a['hf_decode_tok_s']:.0f} (HF generate)",
+            f"{a['speedup']:.2f}x",
+            ">= 1.5x",
+        ),
+        (
+            "B: output tok/s, vs HF 1-by-1",
+            f"{b['engine_tok_s']:.0f}",
+            f"{b['hf_one_by_one_tok_s']:.0f}",
+            f"{b['speedup_vs_one_by_one']:.2f}x",
+            ">= 8x",
+        ),
+        (
+            "B: output tok/s, vs HF padded x16",
+            f"{b['engine_tok_s']:.0f}",
+            f"{b['hf_padded16_tok_s']:.0f}",
+            f"{b['speedup_vs_padded16']:.2f}x",
+            ">= 2x",
+        ),
+        (
+            "C: median TTFT, prefix cache on/off",
+            f"{c['on']['median_ttft_s'] * 1000:.0f} ms",
+            f"{c['off']['median_ttft_s'] * 1000:.0f} ms (off)",
+            f"{c['ttft_ratio']:.1f}x lower",
+            ">= 5x",
+        ),
+        (
+            "D: KV allocated / real tokens",
+            f"{d['allocated_over_real']:.3f}",
+            f"at peak {d['at_peak_allocated_over_real']:.3f}",
+            "",
+            "<= 1.05",
+        ),
     ]
-    w = [max(len(x[i]) for x in rows + [("workload", "lmops", "baseline", "ratio", "target")])
-         for i in range(5)]
+    w = [
+        max(len(x[i]) for x in rows + [("workload", "lmops", "baseline", "ratio", "target")])
+        for i in range(5)
+    ]
     line = lambda x: "| " + " | ".join(s.ljust(w[i]) for i, s in enumerate(x)) + " |"  # noqa: E731
-    out = [line(("workload", "lmops", "baseline", "ratio", "target")),
-           "|" + "|".join("-" * (n + 2) for n in w) + "|"] + [line(x) for x in rows]
+    out = [
+        line(("workload", "lmops", "baseline", "ratio", "target")),
+        "|" + "|".join("-" * (n + 2) for n in w) + "|",
+    ] + [line(x) for x in rows]
     f = r["floor"]
-    out += ["", f"A decode step: {f['decode_step_ms']:.2f} ms (profiled {f['profiled_step_ms']:.2f} ms); "
-            f"weights {f['weight_bytes'] / 2**20:.1f} MiB; floor {f['floor_ms_dram']:.3f} ms at "
-            f"{f['dram_bandwidth_gb_s']:.1f} GB/s (1 GiB copy), {f['floor_ms_cache']:.3f} ms at "
-            f"{f['cache_bandwidth_gb_s_8mib']:.1f} GB/s (8 MiB copy, cache-resident)",
-            "where a decode step goes (ms):"]
+    out += [
+        "",
+        f"A decode step: {f['decode_step_ms']:.2f} ms (profiled {f['profiled_step_ms']:.2f} ms); "
+        f"weights {f['weight_bytes'] / 2**20:.1f} MiB; floor {f['floor_ms_dram']:.3f} ms at "
+        f"{f['dram_bandwidth_gb_s']:.1f} GB/s (1 GiB copy), {f['floor_ms_cache']:.3f} ms at "
+        f"{f['cache_bandwidth_gb_s_8mib']:.1f} GB/s (8 MiB copy, cache-resident)",
+        "where a decode step goes (ms):",
+    ]
     out += [f"  {k:<55} {v:7.3f}" for k, v in f["breakdown_ms_per_step"].items()]
     return "\n".join(out)
 
@@ -292,13 +398,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", type=Path, help="model directory (default: random model of the default size)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true", help="short run: fewer requests and tokens")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads for both sides (default 1: on a shared machine two OpenMP "
-                         "threads on two cores stall whenever another process runs, HF more than us)")
-    ap.add_argument("--hf-one-by-one", type=int, default=None,
-                    help="how many of B's requests HF runs one at a time (default: all; --quick: 4)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="B: alternating rounds of lmops and HF padded batches; medians reported")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for both sides (default 1: on a shared machine two OpenMP "
+        "threads on two cores stall whenever another process runs, HF more than us)",
+    )
+    ap.add_argument(
+        "--hf-one-by-one",
+        type=int,
+        default=None,
+        help="how many of B's requests HF runs one at a time (default: all; --quick: 4)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="B: alternating rounds of lmops and HF padded batches; medians reported",
+    )
     ap.add_argument("--out", type=Path, help="JSON path (default results/engine-<device>.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -318,18 +436,28 @@ def main(argv: list[str] | None = None) -> dict:
     hi = min(512, ctx - new)
     hf = HF(model_dir, device, dtype)
     hf.generate([[5] * 20], 2)  # warm-up
-    print(f"model: {source}; {sum(p.numel() for p in engine.model.parameters()) / 1e6:.2f}M params; "
-          f"device {device} {dtype}; threads {torch.get_num_threads()}; context {ctx}", file=sys.stderr)
-    res = {"model": source, "device": str(device), "dtype": str(dtype), "quick": q,
-           "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-           "torch": torch.__version__}
+    print(
+        f"model: {source}; {sum(p.numel() for p in engine.model.parameters()) / 1e6:.2f}M params; "
+        f"device {device} {dtype}; threads {torch.get_num_threads()}; context {ctx}",
+        file=sys.stderr,
+    )
+    res = {
+        "model": source,
+        "device": str(device),
+        "dtype": str(dtype),
+        "quick": q,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+    }
     if device.type == "cpu":
         res["note"] = "CPU shared with other jobs while measured: numbers are noisy"
     res["A"] = workload_a(engine, hf, min(128, ctx - new), new, repeats=2 if q else 3)
     n_b = 16 if q else 64
     one_by_one = args.hf_one_by_one or (4 if q else n_b)
-    res["B"] = workload_b(make_engine(model_dir, args.device), hf, n_b, 16, hi, new, one_by_one,
-                          rounds=1 if q else args.rounds)
+    res["B"] = workload_b(
+        make_engine(model_dir, args.device), hf, n_b, 16, hi, new, one_by_one, rounds=1 if q else args.rounds
+    )
     res["C"] = workload_c(model_dir, args.device, 8 if q else 32, min(512, ctx - 16 - 16), 16, 16)
     res["floor"] = decode_floor(engine, res["A"].pop("prompt"), res["A"]["engine_step_ms"])
     print(table(res))

@@ -72,7 +72,7 @@ def prompts(count: int = 64, chars: int = 200) -> list[str]:
     rng = random.Random(0)
     text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else "To be, or not to be. " * 5000
     starts = [rng.randrange(0, len(text) - chars) for _ in range(count)]
-    return [text[s:s + chars] for s in starts]
+    return [text[s : s + chars] for s in starts]
 
 
 def run_clients(tally: Tally, clients: int, duration: float, one_request) -> float:
@@ -110,8 +110,15 @@ def http_client(url: str, api_key: str | None, max_tokens: int, texts: list[str]
     def one_request(tally: Tally, rng: random.Random) -> None:
         if getattr(local, "conn", None) is None:
             local.conn = http.client.HTTPConnection(target.hostname, target.port, timeout=120)
-        body = json.dumps({"prompt": rng.choice(texts), "max_tokens": max_tokens, "stream": True,
-                           "ignore_eos": True, "stream_options": {"include_usage": True}})
+        body = json.dumps(
+            {
+                "prompt": rng.choice(texts),
+                "max_tokens": max_tokens,
+                "stream": True,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
         sent = time.monotonic()
         try:
             local.conn.request("POST", "/v1/completions", body, headers)
@@ -172,14 +179,27 @@ def start_server(model_dir: Path, device: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "LMOPS_MODEL_DIR": str(model_dir),
-           "LMOPS_DEVICE": device}
+    env = {
+        **os.environ,
+        "HOST": "127.0.0.1",
+        "PORT": str(port),
+        "LMOPS_MODEL_DIR": str(model_dir),
+        "LMOPS_DEVICE": device,
+    }
     env.pop("LMOPS_API_KEY", None)
     with tempfile.NamedTemporaryFile(prefix="lmops-load-", suffix=".log", delete=False) as log:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "gunicorn"), "--config",
-                                 "production_service/gunicorn.conf.py",
-                                 "production_service.app:create_app()"],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "gunicorn"),
+                "--config",
+                "production_service/gunicorn.conf.py",
+                "production_service.app:create_app()",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -204,7 +224,7 @@ def build_random_model(directory: Path) -> Path:
     from lmops.tokenizer import save_tokenizer, train_tokenizer
 
     text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else "To be, or not to be. " * 5000
-    tok = train_tokenizer([text[i:i + 65536] for i in range(0, len(text), 65536)], vocab_size=4096)
+    tok = train_tokenizer([text[i : i + 65536] for i in range(0, len(text), 65536)], vocab_size=4096)
     save_tokenizer(tok, directory, 256)
     torch.manual_seed(0)
     Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), block_size=256)).save_pretrained(directory)
@@ -221,11 +241,18 @@ def pct(values: list[float], q: float) -> float | None:
 
 def summary(tally: Tally, elapsed: float) -> dict:
     """Totals over every round of one mode."""
-    return {"requests": tally.requests, "errors": len(tally.errors), "first_errors": tally.errors[:5],
-            "output_tokens": tally.tokens, "elapsed_s": round(elapsed, 2),
-            "output_tokens_per_s": round(tally.tokens / elapsed, 1),
-            "ttft_p50_ms": ms(pct(tally.ttft, 50)), "ttft_p95_ms": ms(pct(tally.ttft, 95)),
-            "itl_p50_ms": ms(pct(tally.itl, 50)), "itl_p95_ms": ms(pct(tally.itl, 95))}
+    return {
+        "requests": tally.requests,
+        "errors": len(tally.errors),
+        "first_errors": tally.errors[:5],
+        "output_tokens": tally.tokens,
+        "elapsed_s": round(elapsed, 2),
+        "output_tokens_per_s": round(tally.tokens / elapsed, 1),
+        "ttft_p50_ms": ms(pct(tally.ttft, 50)),
+        "ttft_p95_ms": ms(pct(tally.ttft, 95)),
+        "itl_p50_ms": ms(pct(tally.itl, 50)),
+        "itl_p95_ms": ms(pct(tally.itl, 95)),
+    }
 
 
 def ms(seconds: float | None) -> float | None:
@@ -269,11 +296,13 @@ def main() -> None:
         # hits both alike; the server idles while the engine runs in-process.
         for _ in range(args.rounds):
             cpu = time.process_time()
-            elapsed["http"] += run_clients(tallies["http"], args.clients, args.duration / args.rounds,
-                                           via_http)
+            elapsed["http"] += run_clients(
+                tallies["http"], args.clients, args.duration / args.rounds, via_http
+            )
             client_cpu += time.process_time() - cpu
-            elapsed["engine"] += run_clients(tallies["engine"], args.clients,
-                                             args.duration / args.rounds, in_process)
+            elapsed["engine"] += run_clients(
+                tallies["engine"], args.clients, args.duration / args.rounds, in_process
+            )
     finally:
         loop.shutdown(5)
         if proc is not None:
@@ -286,21 +315,40 @@ def main() -> None:
     ratio = http_s["output_tokens_per_s"] / eng_s["output_tokens_per_s"]
     p95_over_p50 = http_s["ttft_p95_ms"] / http_s["ttft_p50_ms"] if http_s["ttft_p50_ms"] else None
     result = {
-        "workload": {"clients": args.clients, "duration_s": args.duration, "rounds": args.rounds,
-                     "max_tokens": args.max_tokens,
-                     "prompt_chars": 200, "ignore_eos": True, "model": model_label},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device,
-                    "load_average_before_after": [round(load_before[0], 2),
-                                                  round(os.getloadavg()[0], 2)]},
-        "http": {**http_s, "client_cpu_s": round(client_cpu, 2)}, "in_process": eng_s,
+        "workload": {
+            "clients": args.clients,
+            "duration_s": args.duration,
+            "rounds": args.rounds,
+            "max_tokens": args.max_tokens,
+            "prompt_chars": 200,
+            "ignore_eos": True,
+            "model": model_label,
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "device": args.device,
+            "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        },
+        "http": {**http_s, "client_cpu_s": round(client_cpu, 2)},
+        "in_process": eng_s,
         "http_over_in_process_tokens_per_s": round(ratio, 3),
         "http_ttft_p95_over_p50": None if p95_over_p50 is None else round(p95_over_p50, 2),
-        "targets": {"zero_errors": http_s["errors"] == 0, "ratio_ge_0.85": ratio >= 0.85,
-                    "ttft_p95_within_3x_p50": p95_over_p50 is not None and p95_over_p50 <= 3},
+        "targets": {
+            "zero_errors": http_s["errors"] == 0,
+            "ratio_ge_0.85": ratio >= 0.85,
+            "ttft_p95_within_3x_p50": p95_over_p50 is not None and p95_over_p50 <= 3,
+        },
     }
-    rows = [("requests", "requests"), ("errors", "errors"), ("output tokens/s", "output_tokens_per_s"),
-            ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p95 ms", "ttft_p95_ms"),
-            ("ITL p50 ms", "itl_p50_ms"), ("ITL p95 ms", "itl_p95_ms")]
+    rows = [
+        ("requests", "requests"),
+        ("errors", "errors"),
+        ("output tokens/s", "output_tokens_per_s"),
+        ("TTFT p50 ms", "ttft_p50_ms"),
+        ("TTFT p95 ms", "ttft_p95_ms"),
+        ("ITL p50 ms", "itl_p50_ms"),
+        ("ITL p95 ms", "itl_p95_ms"),
+    ]
     print(f"\n{args.clients} streaming clients, {args.duration:.0f} s, {args.max_tokens} new tokens each")
     print(f"{'':18}{'HTTP':>12}{'in-process':>12}")
     for label, key in rows:

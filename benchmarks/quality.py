@@ -28,7 +28,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-NANOGPT = {"nanoGPT baby GPT (CPU, ~3 min)": 1.88 / math.log(2), "nanoGPT shakespeare_char (A100)": 1.4697 / math.log(2)}
+NANOGPT = {
+    "nanoGPT baby GPT (CPU, ~3 min)": 1.88 / math.log(2),
+    "nanoGPT shakespeare_char (A100)": 1.4697 / math.log(2),
+}
 TARGET_BITS_PER_BYTE, TARGET_TRAIN_SECONDS = 2.71, 600
 
 
@@ -38,8 +41,16 @@ def params(max_steps: int) -> dict:
     base["split"].update(val_fraction=0.1, test_fraction=0.05)
     base["tokenizer"].update(vocab_size=1024)
     base["model"].update(n_layer=4, n_head=6, n_kv_heads=2, n_embd=192, intermediate_size=512, block_size=256)
-    base["train"].update(max_steps=max_steps, batch_size=16, learning_rate=2.0e-3, min_lr=2.0e-4, warmup_steps=30,
-                         eval_interval=max(1, max_steps // 5), checkpoint_interval=max_steps, eval_batches=8)
+    base["train"].update(
+        max_steps=max_steps,
+        batch_size=16,
+        learning_rate=2.0e-3,
+        min_lr=2.0e-4,
+        warmup_steps=30,
+        eval_interval=max(1, max_steps // 5),
+        checkpoint_interval=max_steps,
+        eval_batches=8,
+    )
     return base
 
 
@@ -68,7 +79,9 @@ def main() -> int:
         from lmops.evaluate import evaluate_dir
 
         val_text = (work / "data/processed/val.txt").read_text()
-        val = evaluate_dir(work / "artifacts/model", val_text, EvaluateConfig(max_batches=10_000, batch_size=16))
+        val = evaluate_dir(
+            work / "artifacts/model", val_text, EvaluateConfig(max_batches=10_000, batch_size=16)
+        )
         history = json.loads((work / "artifacts/checkpoints/state.json").read_text())["history"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -79,14 +92,26 @@ def main() -> int:
     for name, bpb, secs in rows:
         print(f"{name:36s} {bpb:14.3f} {'' if secs is None else f'{secs:8.0f}'}")
     met = val["bits_per_byte"] <= TARGET_BITS_PER_BYTE and timings["train"] <= TARGET_TRAIN_SECONDS
-    print(f"\ntarget <= {TARGET_BITS_PER_BYTE} bits/byte within {TARGET_TRAIN_SECONDS} s of training: "
-          f"{'MET' if met else 'NOT MET'}; ratio to nanoGPT baby GPT: "
-          f"{val['bits_per_byte'] / NANOGPT['nanoGPT baby GPT (CPU, ~3 min)']:.3f}")
-    result = {"corpus": str(CORPUS.name), "val": val, "stage_seconds": timings, "max_steps": args.max_steps,
-              "params": params(args.max_steps)["model"], "baselines_bits_per_byte": NANOGPT,
-              "target_met": met, "last_log": history[-1] if history else None,
-              "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(),
-                          "torch": torch.__version__}}
+    print(
+        f"\ntarget <= {TARGET_BITS_PER_BYTE} bits/byte within {TARGET_TRAIN_SECONDS} s of training: "
+        f"{'MET' if met else 'NOT MET'}; ratio to nanoGPT baby GPT: "
+        f"{val['bits_per_byte'] / NANOGPT['nanoGPT baby GPT (CPU, ~3 min)']:.3f}"
+    )
+    result = {
+        "corpus": str(CORPUS.name),
+        "val": val,
+        "stage_seconds": timings,
+        "max_steps": args.max_steps,
+        "params": params(args.max_steps)["model"],
+        "baselines_bits_per_byte": NANOGPT,
+        "target_met": met,
+        "last_log": history[-1] if history else None,
+        "machine": {
+            "cpus": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+        },
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

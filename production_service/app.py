@@ -54,8 +54,11 @@ def create_app(config: ServiceConfig | None = None, *, start: bool = True) -> Fl
         if runtime.state in ("draining", "stopped"):
             raise APIError(503, "The server is shutting down.", code="shutting_down")
         if not runtime.ready:
-            raise APIError(503, "The model is not loaded yet." if runtime.state == "loading"
-                           else "The model failed to load.", code="not_ready")
+            raise APIError(
+                503,
+                "The model is not loaded yet." if runtime.state == "loading" else "The model failed to load.",
+                code="not_ready",
+            )
 
     @app.after_request
     def _end(response: Response):
@@ -64,16 +67,21 @@ def create_app(config: ServiceConfig | None = None, *, start: bool = True) -> Fl
         if response.status_code >= 400 and response.is_json:
             stats.error = ((response.get_json(silent=True) or {}).get("error") or {}).get("code")
         handler = request.url_rule.rule if request.url_rule else "unmatched"
-        response.call_on_close(functools.partial(http.finish, stats, request.method, request.path,
-                                                 handler, response.status_code))
+        response.call_on_close(
+            functools.partial(http.finish, stats, request.method, request.path, handler, response.status_code)
+        )
         return response
 
     def validated(schema: str) -> dict:
         body = validator(runtime.limits)(schema, _json_body())
         model = body.get("model")
         if model is not None and model != runtime.model.name:
-            raise APIError(404, f"The model {model!r} does not exist; this server serves "
-                           f"{runtime.model.name!r}.", code="model_not_found", param="model")
+            raise APIError(
+                404,
+                f"The model {model!r} does not exist; this server serves {runtime.model.name!r}.",
+                code="model_not_found",
+                param="model",
+            )
         return body
 
     @app.post("/v1/completions", endpoint="completions")
@@ -83,8 +91,11 @@ def create_app(config: ServiceConfig | None = None, *, start: bool = True) -> Fl
         completion_id = f"cmpl-{g.stats.request_id}"
         if body.get("stream"):
             events = completions.stream_events(runtime, jobs, body, g.stats, completion_id)
-            return Response(events, mimetype="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return Response(
+                events,
+                mimetype="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return jsonify(completions.complete(runtime, jobs, body, g.stats, completion_id))
 
     @app.post("/predict", endpoint="predict")
@@ -93,25 +104,42 @@ def create_app(config: ServiceConfig | None = None, *, start: bool = True) -> Fl
         jobs = completions.submit(runtime, body, g.stats)
         result = completions.complete(runtime, jobs, body, g.stats, f"cmpl-{g.stats.request_id}")
         choice = result["choices"][0]
-        return jsonify({"completion": choice["text"], "model": result["model"],
-                        "prompt_tokens": g.stats.prompt_tokens,
-                        "completion_tokens": g.stats.completion_tokens,
-                        "finish_reason": choice["finish_reason"]})
+        return jsonify(
+            {
+                "completion": choice["text"],
+                "model": result["model"],
+                "prompt_tokens": g.stats.prompt_tokens,
+                "completion_tokens": g.stats.completion_tokens,
+                "finish_reason": choice["finish_reason"],
+            }
+        )
 
     @app.get("/v1/models", endpoint="models")
     def _models():
         m = runtime.model
-        return jsonify({"object": "list", "data": [{
-            "id": m.name, "object": "model", "created": runtime.created, "owned_by": "lmops",
-            "max_model_len": runtime.limits.max_model_len, "version": m.version,
-            "run_id": m.run_id, "source": m.source}]})
+        return jsonify(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": m.name,
+                        "object": "model",
+                        "created": runtime.created,
+                        "owned_by": "lmops",
+                        "max_model_len": runtime.limits.max_model_len,
+                        "version": m.version,
+                        "run_id": m.run_id,
+                        "source": m.source,
+                    }
+                ],
+            }
+        )
 
     @app.get("/health")
     def _health():
         if runtime.healthy():
             return jsonify({"status": runtime.state})
-        raise APIError(503, runtime.error or "The engine loop has failed or is stuck.",
-                       code="unhealthy")
+        raise APIError(503, runtime.error or "The engine loop has failed or is stuck.", code="unhealthy")
 
     @app.get("/ready")
     def _ready():
@@ -124,8 +152,7 @@ def create_app(config: ServiceConfig | None = None, *, start: bool = True) -> Fl
         text = generate_latest(http.registry)
         if runtime.engine is not None:
             text += generate_latest(runtime.engine.metrics.registry)
-        return Response(text, mimetype=CONTENT_TYPE_LATEST.split(";")[0],
-                        content_type=CONTENT_TYPE_LATEST)
+        return Response(text, mimetype=CONTENT_TYPE_LATEST.split(";")[0], content_type=CONTENT_TYPE_LATEST)
 
     @app.get("/openapi.json")
     def _openapi():
@@ -139,10 +166,13 @@ def create_app(config: ServiceConfig | None = None, *, start: bool = True) -> Fl
 def _authorize(key: str) -> None:
     """Bearer token, compared in constant time."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if not (scheme.lower() == "bearer"
-            and hmac.compare_digest(token.strip().encode(), key.encode())):
-        raise APIError(401, "Missing or wrong API key: send `Authorization: Bearer <key>`.",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())):
+        raise APIError(
+            401,
+            "Missing or wrong API key: send `Authorization: Bearer <key>`.",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 def _no_constants(name: str):
@@ -152,12 +182,14 @@ def _no_constants(name: str):
 def _json_body() -> object:
     """The body as JSON: 415 for another media type, 400 when it does not parse."""
     if request.mimetype != "application/json" and not request.mimetype.endswith("+json"):
-        raise APIError(415, f"Content-Type must be application/json, got "
-                       f"{request.mimetype or 'none'!r}.", code="unsupported_media_type")
+        raise APIError(
+            415,
+            f"Content-Type must be application/json, got {request.mimetype or 'none'!r}.",
+            code="unsupported_media_type",
+        )
     try:
         body = json.loads(request.get_data(cache=False), parse_constant=_no_constants)
         json.dumps(body, ensure_ascii=False).encode("utf-8")  # lone surrogates cannot be tokenized
     except (ValueError, RecursionError, UnicodeError) as exc:
         raise APIError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
     return body
-

@@ -13,9 +13,21 @@ from lmops.engine import PromptTooLongError, QueueFullError, SamplingParams
 from production_service.errors import APIError, error_body
 
 DEFAULT_MAX_TOKENS = 16
-_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed",
-                    "logprobs", "ignore_eos")
+_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "logprobs",
+    "ignore_eos",
+)
 _INT_FIELDS = ("n", "top_k", "seed", "logprobs")
 
 
@@ -57,8 +69,9 @@ def encode_prompts(tokenizer, prompt, truncate: int | None) -> list[tuple[str, l
         prompt = [prompt]
     out = []
     for p in prompt:
-        ids = [int(t) for t in p] if isinstance(p, list) else tokenizer.encode(
-            p, add_special_tokens=False).ids
+        ids = (
+            [int(t) for t in p] if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=False).ids
+        )
         text = p if isinstance(p, str) else None
         if truncate is not None and len(ids) > truncate:
             ids, text = ids[-truncate:], None
@@ -84,27 +97,35 @@ def submit(runtime, body: dict, stats: RequestStats) -> list[Job]:
     """Submit every prompt, or none: a failure cancels what was already submitted."""
     params = sampling_params(body)
     truncate = body.get("truncate_prompt_tokens")
-    prompts = encode_prompts(runtime.engine.tokenizer, body["prompt"],
-                             None if truncate is None else int(truncate))
+    prompts = encode_prompts(
+        runtime.engine.tokenizer, body["prompt"], None if truncate is None else int(truncate)
+    )
     jobs: list[Job] = []
     try:
         for text, ids in prompts:
             jobs.append(Job(text, runtime.loop.submit(ids, params)))
             stats.prompt_tokens += len(ids)
     except QueueFullError:
-        raise APIError(429, "The server's queue is full; retry shortly.", code="queue_full",
-                       headers={"Retry-After": "1"}) from None
+        raise APIError(
+            429, "The server's queue is full; retry shortly.", code="queue_full", headers={"Retry-After": "1"}
+        ) from None
     except PromptTooLongError as exc:
-        raise APIError(400, f"{exc}; shorten it or set truncate_prompt_tokens.",
-                       code="context_length_exceeded", param="prompt") from None
+        raise APIError(
+            400,
+            f"{exc}; shorten it or set truncate_prompt_tokens.",
+            code="context_length_exceeded",
+            param="prompt",
+        ) from None
     except ValueError as exc:
         param = "n" if str(exc).startswith("n ") else "prompt"
         raise APIError(400, str(exc), code="invalid_value", param=param) from None
     except RuntimeError as exc:
         draining = runtime.state in ("draining", "stopped")
-        raise APIError(503, "The server is shutting down." if draining else
-                       f"The engine is not accepting requests ({exc}).",
-                       code="shutting_down" if draining else "engine_unavailable") from None
+        raise APIError(
+            503,
+            "The server is shutting down." if draining else f"The engine is not accepting requests ({exc}).",
+            code="shutting_down" if draining else "engine_unavailable",
+        ) from None
     finally:
         if len(jobs) < len(prompts):
             for job in jobs:
@@ -126,10 +147,14 @@ def _logprobs(tok, entries: list[dict] | None, offset: int) -> dict | None:
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [_logprob(e["logprob"]) for e in entries],
-            "top_logprobs": [{tok.decode([int(t)]): _logprob(lp)
-                              for t, lp in (e.get("top") or {}).items()} for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(e["logprob"]) for e in entries],
+        "top_logprobs": [
+            {tok.decode([int(t)]): _logprob(lp) for t, lp in (e.get("top") or {}).items()} for e in entries
+        ],
+        "text_offset": offsets,
+    }
 
 
 def _head(completion_id: str, model: str, created: int) -> dict:
@@ -137,8 +162,11 @@ def _head(completion_id: str, model: str, created: int) -> dict:
 
 
 def _usage(stats: RequestStats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+    }
 
 
 def complete(runtime, jobs: list[Job], body: dict, stats: RequestStats, completion_id: str) -> dict:
@@ -154,9 +182,15 @@ def complete(runtime, jobs: list[Job], body: dict, stats: RequestStats, completi
                     final[co.index] = co
                     stats.on_tokens(len(co.delta_token_ids))
             prefix = job.prompt_text if echo else ""
-            choices += [{"index": i * n + co.index, "text": prefix + co.text,
-                         "logprobs": _logprobs(tok, co.logprobs, len(prefix)),
-                         "finish_reason": co.finish_reason} for co in final.values()]
+            choices += [
+                {
+                    "index": i * n + co.index,
+                    "text": prefix + co.text,
+                    "logprobs": _logprobs(tok, co.logprobs, len(prefix)),
+                    "finish_reason": co.finish_reason,
+                }
+                for co in final.values()
+            ]
         done = True
     except RuntimeError as exc:  # the engine loop died under this request
         raise APIError(500, str(exc), code="engine_failed") from None
@@ -164,8 +198,11 @@ def complete(runtime, jobs: list[Job], body: dict, stats: RequestStats, completi
         if not done:
             for job in jobs:
                 job.stream.cancel()
-    return {**_head(completion_id, runtime.model.name, int(time.time())), "choices": choices,
-            "usage": _usage(stats)}
+    return {
+        **_head(completion_id, runtime.model.name, int(time.time())),
+        "choices": choices,
+        "usage": _usage(stats),
+    }
 
 
 def _latest(stream, out):
@@ -179,8 +216,9 @@ def _latest(stream, out):
     return out
 
 
-def stream_events(runtime, jobs: list[Job], body: dict, stats: RequestStats,
-                  completion_id: str) -> Iterator[str]:
+def stream_events(
+    runtime, jobs: list[Job], body: dict, stats: RequestStats, completion_id: str
+) -> Iterator[str]:
     """Server-sent events, one per new piece of text; a client that goes away
     (the server closes this generator) aborts every job and frees its KV blocks."""
     tok, n, echo = runtime.engine.tokenizer, int(body.get("n") or 1), bool(body.get("echo"))
@@ -208,9 +246,14 @@ def stream_events(runtime, jobs: list[Job], body: dict, stats: RequestStats,
                     offset = chars + (len(job.prompt_text) if echo else 0)
                     entries = None if co.logprobs is None else co.logprobs[tokens:]
                     sent[co.index] = (len(co.token_ids), len(co.text))
-                    choices.append({"index": i * n + co.index, "text": prefix + delta,
-                                    "logprobs": _logprobs(tok, entries, offset),
-                                    "finish_reason": co.finish_reason})
+                    choices.append(
+                        {
+                            "index": i * n + co.index,
+                            "text": prefix + delta,
+                            "logprobs": _logprobs(tok, entries, offset),
+                            "finish_reason": co.finish_reason,
+                        }
+                    )
                 if choices:
                     yield f'data: {head}, "choices": {json.dumps(choices)}}}\n\n'
         if include_usage:

@@ -42,10 +42,14 @@ class ServiceConfig:
         return self.threads or self.max_num_seqs + self.max_queued + 8
 
     def engine_kwargs(self) -> dict:
-        return {"device": self.device, "block_size": self.block_size,
-                "kv_cache_memory": self.kv_cache_memory, "max_num_seqs": self.max_num_seqs,
-                "max_num_batched_tokens": self.max_num_batched_tokens,
-                "enable_prefix_caching": self.enable_prefix_caching}
+        return {
+            "device": self.device,
+            "block_size": self.block_size,
+            "kv_cache_memory": self.kv_cache_memory,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "enable_prefix_caching": self.enable_prefix_caching,
+        }
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ServiceConfig:

@@ -11,15 +11,27 @@ from werkzeug.exceptions import HTTPException
 log = logging.getLogger(__name__)
 
 _TYPES = {401: "authentication_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
-_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed",
-          413: "request_too_large", 415: "unsupported_media_type"}
+_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+}
 
 
 class APIError(Exception):
     """An error a handler raises on purpose; rendered as-is."""
 
-    def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.headers = headers or {}
@@ -30,8 +42,13 @@ def error_body(status: int, message: str, code: str | None, param: str | None = 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, code: str | None, param: str | None = None,
-                   headers: dict[str, str] | None = None):
+def error_response(
+    status: int,
+    message: str,
+    code: str | None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+):
     response = jsonify(error_body(status, message, code, param))
     response.status_code = status
     response.headers.update(headers or {})

@@ -47,8 +47,7 @@ def post_worker_init(worker):
     drain_s = max(worker.cfg.graceful_timeout - 2, 1)
 
     def on_sigterm(signum, frame):
-        threading.Thread(target=runtime.shutdown, args=(drain_s,), name="lmops-drain",
-                         daemon=True).start()
+        threading.Thread(target=runtime.shutdown, args=(drain_s,), name="lmops-drain", daemon=True).start()
         gunicorn_handler(signum, frame)
 
     signal.signal(signal.SIGTERM, on_sigterm)

@@ -34,14 +34,20 @@ def resolve_model(model_dir: Path, model_uri: str | None = None) -> ModelInfo:
     else:
         path, registry = Path(model_dir), {}
         if not (path / "config.json").is_file():
-            raise LmopsError(f"{path}: not a model directory (missing config.json); "
-                             "run `make run` to promote one, or set LMOPS_MODEL_DIR / LMOPS_MODEL_URI")
+            raise LmopsError(
+                f"{path}: not a model directory (missing config.json); "
+                "run `make run` to promote one, or set LMOPS_MODEL_DIR / LMOPS_MODEL_URI"
+            )
     meta = _read_meta(path)
     facts = {**{k: meta.get(k) for k in ("model_name", "model_version", "run_id")}, **registry}
     version = facts.get("model_version")
-    return ModelInfo(path=path, name=str(facts.get("model_name") or path.name),
-                     version=None if version is None else str(version),
-                     run_id=facts.get("run_id"), source=model_uri or str(path))
+    return ModelInfo(
+        path=path,
+        name=str(facts.get("model_name") or path.name),
+        version=None if version is None else str(version),
+        run_id=facts.get("run_id"),
+        source=model_uri or str(path),
+    )
 
 
 def _read_meta(path: Path) -> dict:

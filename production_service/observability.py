@@ -22,8 +22,9 @@ def configure_logging() -> None:
     """Plain lines for the service's logs; bare JSON lines for the access log."""
     root = logging.getLogger()
     if not root.handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
     if not access_log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -35,22 +36,34 @@ def configure_logging() -> None:
 class HttpMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("http_requests", "HTTP requests by handler and status.",
-                                ["method", "handler", "status"], registry=self.registry)
-        self.latency = Histogram("http_request_duration_seconds",
-                                 "HTTP request latency, to the last byte of the response.",
-                                 ["method", "handler"], buckets=_LATENCY_BUCKETS,
-                                 registry=self.registry)
+        self.requests = Counter(
+            "http_requests",
+            "HTTP requests by handler and status.",
+            ["method", "handler", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "http_request_duration_seconds",
+            "HTTP request latency, to the last byte of the response.",
+            ["method", "handler"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
     def finish(self, stats: RequestStats, method: str, path: str, handler: str, status: int) -> None:
         total = time.perf_counter() - stats.start
         self.requests.labels(method, handler, str(status)).inc()
         self.latency.labels(method, handler).observe(total)
-        record = {"request_id": stats.request_id, "method": method, "path": path[:200],
-                  "status": status, "prompt_tokens": stats.prompt_tokens,
-                  "completion_tokens": stats.completion_tokens,
-                  "ttft_s": None if stats.ttft is None else round(stats.ttft, 4),
-                  "total_s": round(total, 4)}
+        record = {
+            "request_id": stats.request_id,
+            "method": method,
+            "path": path[:200],
+            "status": status,
+            "prompt_tokens": stats.prompt_tokens,
+            "completion_tokens": stats.completion_tokens,
+            "ttft_s": None if stats.ttft is None else round(stats.ttft, 4),
+            "total_s": round(total, 4),
+        }
         if stats.error:
             record["error"] = stats.error
         if stats.disconnected:

@@ -70,13 +70,16 @@ class Runtime:
                 return
             loop.start()
             self.engine, self.loop, self.model = engine, loop, model
-            self.limits = Limits(max_model_len=engine.max_model_len,
-                                 vocab_size=engine.config.vocab_size,
-                                 max_num_seqs=engine.max_num_seqs)
+            self.limits = Limits(
+                max_model_len=engine.max_model_len,
+                vocab_size=engine.config.vocab_size,
+                max_num_seqs=engine.max_num_seqs,
+            )
             self.created = int(time.time())
             self.state = "ready"
-        log.info("serving %s (version %s, run %s) from %s", model.name, model.version, model.run_id,
-                 model.path)
+        log.info(
+            "serving %s (version %s, run %s) from %s", model.name, model.version, model.run_id, model.path
+        )
         self._ready.set()
 
     def shutdown(self, timeout: float) -> None:

@@ -20,10 +20,24 @@ TINY_PARAMS = {
     "data": {"source": "python-stdlib", "max_bytes": 400_000},
     "split": {"val_fraction": 0.1, "test_fraction": 0.1},
     "tokenizer": {"vocab_size": 400},
-    "model": {"n_layer": 2, "n_head": 4, "n_kv_heads": 2, "n_embd": 64, "intermediate_size": 128,
-              "block_size": 64},
-    "train": {"max_steps": 20, "batch_size": 8, "warmup_steps": 4, "eval_interval": 10, "eval_batches": 2,
-              "checkpoint_interval": 10, "log_interval": 5, "threads": 1},
+    "model": {
+        "n_layer": 2,
+        "n_head": 4,
+        "n_kv_heads": 2,
+        "n_embd": 64,
+        "intermediate_size": 128,
+        "block_size": 64,
+    },
+    "train": {
+        "max_steps": 20,
+        "batch_size": 8,
+        "warmup_steps": 4,
+        "eval_interval": 10,
+        "eval_batches": 2,
+        "checkpoint_interval": 10,
+        "log_interval": 5,
+        "threads": 1,
+    },
     "evaluate": {"max_batches": 4, "batch_size": 8, "max_new_tokens": 12},
 }
 
@@ -37,12 +51,17 @@ def env() -> dict[str, str]:
     return e
 
 
-def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=kw.pop("env", env()), capture_output=True, text=True,
-                          timeout=timeout, **kw)
+def run(
+    cmd: list[str], cwd: Path, check: bool = True, timeout: float = 300, **kw
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=kw.pop("env", env()), capture_output=True, text=True, timeout=timeout, **kw
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-                             f"\n--- stderr\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -64,7 +83,10 @@ def make_project(root: Path, overrides: dict | None = None, git: bool = True) ->
     write_params(root, {**TINY_PARAMS, **(overrides or {})})
     if git:
         run(["git", "init", "-q"], root)
-        run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "init", "--allow-empty"], root)
+        run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "init", "--allow-empty"],
+            root,
+        )
         run(["git", "add", "-A"], root)
         run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "project"], root)
     return root
@@ -90,8 +112,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     text = "\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(300))
     tok = train_tokenizer([text], vocab_size=300)
     directory = tmp_path_factory.mktemp("tiny-model")
-    Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), n_layer=2, n_head=4, n_kv_heads=2, n_embd=64,
-                      intermediate_size=128, block_size=128)).save_pretrained(directory)
+    Llama(
+        LlamaConfig(
+            vocab_size=tok.get_vocab_size(),
+            n_layer=2,
+            n_head=4,
+            n_kv_heads=2,
+            n_embd=64,
+            intermediate_size=128,
+            block_size=128,
+        )
+    ).save_pretrained(directory)
     save_tokenizer(tok, directory, 128)
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     (directory / "lmops.json").write_text(json.dumps({"run_id": None}))

@@ -52,8 +52,13 @@ def _sampling(args: argparse.Namespace):
     from lmops.engine import SamplingParams
 
     try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed)
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
     except ValueError as exc:
         raise LmopsError(str(exc)) from None
 
@@ -76,8 +81,13 @@ def _generate(args: argparse.Namespace) -> None:
             finished = out if out.finished else None
     print()
     m = finished.metrics
-    log.info("%d tokens, TTFT %.1f ms, %.1f tokens/s, finish: %s", m.num_generation_tokens, 1000 * m.ttft,
-             m.num_generation_tokens / max(m.e2e_latency, 1e-9), finished.outputs[0].finish_reason)
+    log.info(
+        "%d tokens, TTFT %.1f ms, %.1f tokens/s, finish: %s",
+        m.num_generation_tokens,
+        1000 * m.ttft,
+        m.num_generation_tokens / max(m.e2e_latency, 1e-9),
+        finished.outputs[0].finish_reason,
+    )
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -95,15 +105,24 @@ def _bench(args: argparse.Namespace) -> None:
     elapsed = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = sorted(1000 * o.metrics.ttft for o in outs)
-    print(f"requests {len(outs)}  output tokens {tokens}  wall {elapsed:.2f} s  "
-          f"throughput {tokens / elapsed:.0f} tok/s  TTFT p50 {statistics.median(ttft):.0f} ms  "
-          f"p95 {ttft[int(0.95 * (len(ttft) - 1))]:.0f} ms")
+    print(
+        f"requests {len(outs)}  output tokens {tokens}  wall {elapsed:.2f} s  "
+        f"throughput {tokens / elapsed:.0f} tok/s  TTFT p50 {statistics.median(ttft):.0f} ms  "
+        f"p95 {ttft[int(0.95 * (len(ttft) - 1))]:.0f} ms"
+    )
 
 
 def _serve(args: argparse.Namespace) -> None:
     os.environ.setdefault("LMOPS_MODEL_DIR", str(args.model))
-    os.execvp("gunicorn", ["gunicorn", "--config", "production_service/gunicorn.conf.py",
-                           "production_service.app:create_app()"])
+    os.execvp(
+        "gunicorn",
+        [
+            "gunicorn",
+            "--config",
+            "production_service/gunicorn.conf.py",
+            "production_service.app:create_app()",
+        ],
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     for noisy in ("alembic", "mlflow", "urllib3", "httpx", "git"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     started = time.perf_counter()

@@ -69,9 +69,7 @@ class ModelConfig(_Section):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.n_kv_heads:
-            raise ValueError(
-                f"n_head ({self.n_head}) must be divisible by n_kv_heads ({self.n_kv_heads})"
-            )
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_heads ({self.n_kv_heads})")
         if (self.n_embd // self.n_head) % 2:
             raise ValueError("head dim (n_embd / n_head) must be even for RoPE")
         return self
@@ -99,9 +97,7 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _lr_order(self) -> TrainConfig:
         if self.min_lr > self.learning_rate:
-            raise ValueError(
-                f"min_lr ({self.min_lr}) must not exceed learning_rate ({self.learning_rate})"
-            )
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed learning_rate ({self.learning_rate})")
         return self
 
 
@@ -144,7 +140,9 @@ def _field_at(loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, str | None]
     section: type[BaseModel] = Params
     for key in loc[:-1]:
         field = section.model_fields.get(str(key))
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
             return None, None
         section = field.annotation
     return section, str(loc[-1]) if loc else None

@@ -57,7 +57,7 @@ def _fetch(source: str) -> bytes:
     """Bytes of a local path, file://, https:// or an fsspec cloud URL."""
     scheme = urlparse(source).scheme
     if scheme in ("", "file"):
-        path = Path(source[len("file://"):] if scheme == "file" else source).expanduser()
+        path = Path(source[len("file://") :] if scheme == "file" else source).expanduser()
         if not path.is_file():
             raise LmopsError(f"data.source: no such file: {path}")
         return path.read_bytes()
@@ -154,8 +154,8 @@ def assign_splits(n_docs: int, cfg: SplitConfig) -> dict[str, np.ndarray]:
         raise LmopsError(f"corpus has {n_docs} documents: too few for these split fractions")
     return {
         "val": np.sort(order[:n_val]),
-        "test": np.sort(order[n_val:n_val + n_test]),
-        "train": np.sort(order[n_val + n_test:]),
+        "test": np.sort(order[n_val : n_val + n_test]),
+        "train": np.sort(order[n_val + n_test :]),
     }
 
 

@@ -56,15 +56,20 @@ def score(model: Llama, tokenizer, text: str, cfg: EvaluateConfig) -> dict:
     nll, n_tokens, n_bytes = 0.0, 0, 0
     for start in range(0, n_windows, cfg.batch_size):
         rows = range(start, min(start + cfg.batch_size, n_windows))
-        xy = torch.from_numpy(np.stack([ids[i * block:i * block + block + 1] for i in rows])).to(device)
+        xy = torch.from_numpy(np.stack([ids[i * block : i * block + block + 1] for i in rows])).to(device)
         logits, _ = model(xy[:, :-1])
         targets = xy[:, 1:]
         nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
         n_tokens += targets.numel()
         n_bytes += int(byte_len[targets.cpu().numpy()].sum())
     loss = nll / n_tokens
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-            "bits_per_byte": nll / math.log(2) / max(n_bytes, 1), "tokens": n_tokens, "bytes": n_bytes}
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "bits_per_byte": nll / math.log(2) / max(n_bytes, 1),
+        "tokens": n_tokens,
+        "bytes": n_bytes,
+    }
 
 
 def evaluate_dir(model_dir: Path, text: str, cfg: EvaluateConfig, device: str = "auto") -> dict:
@@ -86,8 +91,13 @@ def sample_completions(model_dir: Path, cfg: EvaluateConfig, device: str) -> lis
     from lmops.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine.from_pretrained(model_dir, device=device, max_num_seqs=len(cfg.prompts))
-    sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                              max_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    sampling = SamplingParams(
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        max_tokens=cfg.max_new_tokens,
+        seed=cfg.seed,
+    )
     outs = engine.generate(list(cfg.prompts), sampling)
     return [(prompt, out.text) for prompt, out in zip(cfg.prompts, outs, strict=True)]
 
@@ -104,8 +114,11 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
     metrics["test_split_sha256"] = test_sha
 
     samples = sample_completions(model_dir, cfg, params.train.device)
-    lines = [f"# Samples (temperature {cfg.temperature}, top_k {cfg.top_k}, top_p {cfg.top_p}, "
-             f"seed {cfg.seed}, run {meta.get('run_id')})", ""]
+    lines = [
+        f"# Samples (temperature {cfg.temperature}, top_k {cfg.top_k}, top_p {cfg.top_p}, "
+        f"seed {cfg.seed}, run {meta.get('run_id')})",
+        "",
+    ]
     for prompt, completion in samples:
         lines += [f"## `{prompt}`", "", "```python", prompt + completion, "```", ""]
     atomic.write_text(SAMPLES_FILE, "\n".join(lines))
@@ -117,6 +130,10 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
         tracking.log_metrics(meta["run_id"], numeric)
         tracking.client().log_artifact(meta["run_id"], str(SAMPLES_FILE))
         tracking.client().log_artifact(meta["run_id"], str(METRICS_FILE))
-    log.info("test: loss %.4f, ppl %.2f, %.4f bits/byte", result["loss"], result["perplexity"],
-             result["bits_per_byte"])
+    log.info(
+        "test: loss %.4f, ppl %.2f, %.4f bits/byte",
+        result["loss"],
+        result["perplexity"],
+        result["bits_per_byte"],
+    )
     return metrics

@@ -25,8 +25,13 @@ from torch import nn
 
 from lmops.errors import LmopsError
 
-MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-               "tokenizer_config.json")
+MODEL_FILES = (
+    "config.json",
+    "model.safetensors",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -125,8 +130,9 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape positions.shape + (head_dim,), computed in float32 like HF."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim)
+    )
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -141,8 +147,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal self-attention over whole sequences; (B, T, H, D) in and out."""
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       is_causal=True, enable_gqa=True)
+    y = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    )
     return y.transpose(1, 2)
 
 
@@ -221,8 +228,12 @@ class Llama(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                      cache: AttentionCache | None = None) -> torch.Tensor:
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: AttentionCache | None = None,
+    ) -> torch.Tensor:
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -232,8 +243,13 @@ class Llama(nn.Module):
             x = layer(x, cos, sin, cache)
         return self.model.norm(x)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, cache: AttentionCache | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cache: AttentionCache | None = None,
+    ):
         """Logits (B, T, V), and the mean cross-entropy when `targets` is given."""
         logits = self.lm_head(self.hidden_states(input_ids, positions, cache))
         if targets is None:
@@ -259,8 +275,9 @@ class Llama(nn.Module):
         (directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2) + "\n")
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32) -> Llama:
+    def from_pretrained(
+        cls, directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> Llama:
         directory = Path(directory)
         for name in ("config.json", "model.safetensors"):
             if not (directory / name).is_file():
@@ -305,8 +322,7 @@ class KVCache:
         keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
         # Query i (absolute position start+i) sees keys 0..start+i.
         mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                           enable_gqa=True)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
         if layer == len(self.k) - 1:
             self.length = end
         return y.transpose(1, 2)

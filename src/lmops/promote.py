@@ -56,10 +56,19 @@ def promote(params: Params, force: bool = False, model_dir: Path = MODEL_DIR) ->
 
     tracking.configure(params.mlflow)
     champion = tracking.champion_version(cfg.model_name, cfg.alias)
-    version = tracking.register(cfg.model_name, run_id, {METRIC: str(score), "test_split_sha256": test_sha,
-                                                         "data_sha256": str(meta.get("data_sha256"))})
-    decision = {"model_name": cfg.model_name, "version": int(version.version), "run_id": run_id,
-                "candidate_bits_per_byte": score, "champion_version": None, "champion_bits_per_byte": None}
+    version = tracking.register(
+        cfg.model_name,
+        run_id,
+        {METRIC: str(score), "test_split_sha256": test_sha, "data_sha256": str(meta.get("data_sha256"))},
+    )
+    decision = {
+        "model_name": cfg.model_name,
+        "version": int(version.version),
+        "run_id": run_id,
+        "candidate_bits_per_byte": score,
+        "champion_version": None,
+        "champion_bits_per_byte": None,
+    }
     if champion is not None:
         champ_bpb, how = champion_score(params, champion, test_text, test_sha)
         decision.update(champion_version=int(champion.version), champion_bits_per_byte=champ_bpb)
@@ -68,19 +77,34 @@ def promote(params: Params, force: bool = False, model_dir: Path = MODEL_DIR) ->
     elif champion is None:
         promoted, reason = True, "no champion yet"
     elif score < champ_bpb:
-        promoted, reason = True, f"{score:.4f} < champion v{champion.version} {champ_bpb:.4f} bits/byte ({how})"
+        promoted, reason = (
+            True,
+            f"{score:.4f} < champion v{champion.version} {champ_bpb:.4f} bits/byte ({how})",
+        )
     else:
-        promoted, reason = False, f"{score:.4f} >= champion v{champion.version} {champ_bpb:.4f} bits/byte ({how})"
+        promoted, reason = (
+            False,
+            f"{score:.4f} >= champion v{champion.version} {champ_bpb:.4f} bits/byte ({how})",
+        )
     decision.update(promoted=promoted, reason=reason, alias=cfg.alias)
 
     client = tracking.client()
     client.set_model_version_tag(cfg.model_name, version.version, "promotion", reason)
     if promoted:
         client.set_registered_model_alias(cfg.model_name, cfg.alias, version.version)
-        tracking.export(model_dir, Path(cfg.export_dir), {
-            "model_name": cfg.model_name, "model_version": int(version.version), "run_id": run_id,
-            "metrics": {**meta.get("metrics", {}), **{k: v for k, v in metrics.items() if k.startswith("test_")}},
-        })
+        tracking.export(
+            model_dir,
+            Path(cfg.export_dir),
+            {
+                "model_name": cfg.model_name,
+                "model_version": int(version.version),
+                "run_id": run_id,
+                "metrics": {
+                    **meta.get("metrics", {}),
+                    **{k: v for k, v in metrics.items() if k.startswith("test_")},
+                },
+            },
+        )
     atomic.write_json(PROMOTION_FILE, decision)
     log.info("promotion: %s v%s: %s", "PROMOTED" if promoted else "kept champion", version.version, reason)
     return decision

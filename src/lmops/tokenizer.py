@@ -103,8 +103,9 @@ def read_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
     return np.memmap(path, dtype=token_dtype(vocab_size), mode="r")
 
 
-def tokenize(cfg: TokenizerConfig, block_size: int, data_dir: Path = PROCESSED_DIR,
-             out_dir: Path = TOKENIZER_DIR) -> dict:
+def tokenize(
+    cfg: TokenizerConfig, block_size: int, data_dir: Path = PROCESSED_DIR, out_dir: Path = TOKENIZER_DIR
+) -> dict:
     """Train on train.txt, write the tokenizer, encode each split to `<split>.bin`."""
     texts = {}
     for name in SPLITS:
@@ -121,8 +122,11 @@ def tokenize(cfg: TokenizerConfig, block_size: int, data_dir: Path = PROCESSED_D
             raise LmopsError(f"{name} split encodes to {len(ids)} token(s); the corpus is too small")
         n_bytes = len(text.encode("utf-8"))
         atomic.write_bytes(data_dir / f"{name}.bin", ids.astype(token_dtype(vocab_size)).tobytes())
-        stats["splits"][name] = {"tokens": int(len(ids)), "bytes": n_bytes,
-                                 "bytes_per_token": round(n_bytes / len(ids), 4)}
+        stats["splits"][name] = {
+            "tokens": int(len(ids)),
+            "bytes": n_bytes,
+            "bytes_per_token": round(n_bytes / len(ids), 4),
+        }
     with atomic.directory(out_dir) as tmp:
         save_tokenizer(tok, tmp, block_size)
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
@@ -142,7 +146,11 @@ def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable-char table that byte-level BPE pieces are spelled in."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):

@@ -58,9 +58,15 @@ def client():
 
 def git_commit() -> str:
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -83,9 +89,15 @@ def start_training_run(params: Params, run_id: str | None, data_sha256: str | No
             c.update_run(run_id, status="RUNNING")
             return c.get_run(run_id)
         except _mlflow().exceptions.MlflowException:
-            log.warning("run %s of the checkpoint is gone from the tracking store; starting a new run", run_id)
-    tags = {"git_commit": git_commit(), "data_sha256": data_sha256 or "unknown", "stage": "train",
-            "mlflow.runName": f"train-{time.strftime('%Y%m%d-%H%M%S')}"}
+            log.warning(
+                "run %s of the checkpoint is gone from the tracking store; starting a new run", run_id
+            )
+    tags = {
+        "git_commit": git_commit(),
+        "data_sha256": data_sha256 or "unknown",
+        "stage": "train",
+        "mlflow.runName": f"train-{time.strftime('%Y%m%d-%H%M%S')}",
+    }
     return c.create_run(experiment_id, tags=tags)
 
 
@@ -96,7 +108,7 @@ def log_params_once(params: Params, run_id: str, extra: dict) -> None:
     todo = {**_flatten(params), **{k: str(v) for k, v in extra.items()}}
     batch = [Param(k, v) for k, v in todo.items() if k not in logged]
     for i in range(0, len(batch), 100):
-        c.log_batch(run_id, params=batch[i:i + 100])
+        c.log_batch(run_id, params=batch[i : i + 100])
 
 
 def log_metrics(run_id: str, metrics: dict[str, float | None], step: int = 0) -> None:
@@ -160,8 +172,9 @@ def logged_model_uri(run_id: str) -> str:
     """`models:/<model_id>` of the pyfunc the training run logged."""
     c = client()
     run = c.get_run(run_id)
-    found = c.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'",
-                                   max_results=1)
+    found = c.search_logged_models(
+        [run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'", max_results=1
+    )
     if not found:
         raise LmopsError(f"run {run_id} logged no model: run `lmops train` again")
     return found[0].model_uri

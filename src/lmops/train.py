@@ -70,12 +70,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.learning_rate - cfg.min_lr)
 
 
-def batch(tokens: np.ndarray, block: int, size: int, seed: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    tokens: np.ndarray, block: int, size: int, seed: tuple[int, ...], device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`size` random windows of `block` tokens and their next-token targets."""
     if len(tokens) <= block + 1:
         raise LmopsError(f"split has {len(tokens)} tokens, fewer than model.block_size + 2 = {block + 2}")
     starts = np.random.default_rng(seed).integers(0, len(tokens) - block - 1, size)
-    rows = np.stack([tokens[s:s + block + 1].astype(np.int64) for s in starts])
+    rows = np.stack([tokens[s : s + block + 1].astype(np.int64) for s in starts])
     xy = torch.from_numpy(rows).to(device)
     return xy[:, :-1], xy[:, 1:]
 
@@ -96,8 +98,12 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 def fingerprint(params: Params, world: int, train_bin: Path) -> str:
     """What a checkpoint must match to be resumed: config, world size and the exact data."""
-    h = hashlib.sha256(json.dumps({"model": params.model.model_dump(), "train": params.train.model_dump(),
-                                   "world": world}, sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            {"model": params.model.model_dump(), "train": params.train.model_dump(), "world": world},
+            sort_keys=True,
+        ).encode()
+    )
     h.update(hashlib.sha256(train_bin.read_bytes()).digest())
     return h.hexdigest()
 
@@ -108,8 +114,11 @@ def _sha256(path: Path) -> str:
 
 def save_checkpoint(ckpt_dir: Path, model: Llama, opt: torch.optim.Optimizer, state: dict) -> None:
     with atomic.directory(ckpt_dir) as tmp:
-        weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
-                   if not (model.config.tie_embeddings and k == "lm_head.weight")}
+        weights = {
+            k: v.detach().cpu().contiguous()
+            for k, v in model.state_dict().items()
+            if not (model.config.tie_embeddings and k == "lm_head.weight")
+        }
         save_file(weights, str(tmp / "model.safetensors"))
         opt_state = opt.state_dict()
         tensors = {"rng.torch": torch.get_rng_state()}
@@ -117,8 +126,11 @@ def save_checkpoint(ckpt_dir: Path, model: Llama, opt: torch.optim.Optimizer, st
             for name, value in slots.items():
                 tensors[f"optim.{idx}.{name}"] = value.detach().cpu().contiguous()
         save_file(tensors, str(tmp / "optimizer.safetensors"))
-        state = {**state, "param_groups": opt_state["param_groups"],
-                 "sha256": {f: _sha256(tmp / f) for f in ("model.safetensors", "optimizer.safetensors")}}
+        state = {
+            **state,
+            "param_groups": opt_state["param_groups"],
+            "sha256": {f: _sha256(tmp / f) for f in ("model.safetensors", "optimizer.safetensors")},
+        }
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
 
 
@@ -129,7 +141,9 @@ def load_checkpoint(ckpt_dir: Path, model: Llama, opt: torch.optim.Optimizer) ->
         state = json.loads((ckpt_dir / "state.json").read_text())
         for name, digest in state["sha256"].items():
             if _sha256(ckpt_dir / name) != digest:
-                raise LmopsError(f"checkpoint {ckpt_dir}: {name} is corrupt or truncated (sha256 mismatch); {hint}")
+                raise LmopsError(
+                    f"checkpoint {ckpt_dir}: {name} is corrupt or truncated (sha256 mismatch); {hint}"
+                )
         weights = load_file(str(ckpt_dir / "model.safetensors"))
         tensors = load_file(str(ckpt_dir / "optimizer.safetensors"))
     except LmopsError:
@@ -156,8 +170,9 @@ def make_optimizer(model: Llama, cfg: TrainConfig, device: torch.device) -> torc
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                             fused=device.type == "cuda")
+    return torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"
+    )
 
 
 @torch.no_grad()
@@ -187,8 +202,15 @@ def export_model(model: Llama, directory: Path, meta: dict) -> None:
     with atomic.directory(directory) as tmp:
         model.save_pretrained(tmp)
         cfg = model.config
-        gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "do_sample": True,
-               "temperature": 0.8, "top_k": 50, "top_p": 0.95, "max_new_tokens": 128}
+        gen = {
+            "bos_token_id": cfg.bos_token_id,
+            "eos_token_id": cfg.eos_token_id,
+            "do_sample": True,
+            "temperature": 0.8,
+            "top_k": 50,
+            "top_p": 0.95,
+            "max_new_tokens": 128,
+        }
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (tmp / name).write_bytes((TOKENIZER_DIR / name).read_bytes())
@@ -197,8 +219,9 @@ def export_model(model: Llama, directory: Path, meta: dict) -> None:
         assert not missing, missing
 
 
-def train(params: Params, data_dir: Path = PROCESSED_DIR, out_dir: Path = MODEL_DIR,
-          ckpt_dir: Path = CHECKPOINT_DIR) -> dict:
+def train(
+    params: Params, data_dir: Path = PROCESSED_DIR, out_dir: Path = MODEL_DIR, ckpt_dir: Path = CHECKPOINT_DIR
+) -> dict:
     cfg, mcfg = params.train, params.model
     device = resolve_device(cfg.device)
     if cfg.threads:
@@ -218,7 +241,11 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
     vocab_size = json.loads(stats_path.read_text())["vocab_size"]
     train_tokens = read_tokens(data_dir / "train.bin", vocab_size)
     val_tokens = read_tokens(data_dir / "val.bin", vocab_size)
-    manifest = json.loads(Path("data/raw/manifest.json").read_text()) if Path("data/raw/manifest.json").is_file() else {}
+    manifest = (
+        json.loads(Path("data/raw/manifest.json").read_text())
+        if Path("data/raw/manifest.json").is_file()
+        else {}
+    )
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model_cfg = LlamaConfig(vocab_size=vocab_size, **mcfg.model_dump())
@@ -241,8 +268,9 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
     raw_model = model
     if ddp.world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else contextlib.nullcontext())
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    )
     peak = measure_peak_flops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     flops_per_token = raw_model.flops_per_token()
     tokens_per_step = cfg.batch_size * mcfg.block_size * cfg.grad_accum_steps * ddp.world
@@ -251,13 +279,23 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
     if ddp.main:
         run = tracking.start_training_run(params, run_id, manifest.get("sha256"))
         run_id = run.info.run_id
-        tracking.log_params_once(params, run_id, extra={"num_params": raw_model.num_params(),
-                                                        "world_size": ddp.world, "device": device.type})
+        tracking.log_params_once(
+            params,
+            run_id,
+            extra={"num_params": raw_model.num_params(), "world_size": ddp.world, "device": device.type},
+        )
     fault_step = int(os.environ.get(FAULT_ENV, "-1"))
 
     model.train()
-    bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps,
-               desc="train", unit="step", disable=not ddp.main, dynamic_ncols=True)
+    bar = tqdm(
+        range(start_step, cfg.max_steps),
+        initial=start_step,
+        total=cfg.max_steps,
+        desc="train",
+        unit="step",
+        disable=not ddp.main,
+        dynamic_ncols=True,
+    )
     t_last, tokens_last = time.perf_counter(), tokens_seen
     for step in bar:
         lr = lr_at(step, cfg)
@@ -265,9 +303,11 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
             group["lr"] = lr
         loss_sum = 0.0
         for micro in range(cfg.grad_accum_steps):
-            x, y = batch(train_tokens, mcfg.block_size, cfg.batch_size, (cfg.seed, step, micro, ddp.rank), device)
+            x, y = batch(
+                train_tokens, mcfg.block_size, cfg.batch_size, (cfg.seed, step, micro, ddp.rank), device
+            )
             sync = micro == cfg.grad_accum_steps - 1 or ddp.world == 1
-            with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
+            with contextlib.nullcontext() if sync else model.no_sync(), autocast:
                 _, loss = model(x, y)
             (loss / cfg.grad_accum_steps).backward()
             loss_sum += loss.item()
@@ -283,8 +323,14 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
             now = time.perf_counter()
             tps = (tokens_seen - tokens_last) / max(now - t_last, 1e-9)
             t_last, tokens_last = now, tokens_seen
-            row = {"step": done, "tokens": tokens_seen, "train_loss": loss_sum / cfg.grad_accum_steps,
-                   "lr": lr, "tokens_per_sec": tps, "mfu": tps * flops_per_token / peak / ddp.world}
+            row = {
+                "step": done,
+                "tokens": tokens_seen,
+                "train_loss": loss_sum / cfg.grad_accum_steps,
+                "lr": lr,
+                "tokens_per_sec": tps,
+                "mfu": tps * flops_per_token / peak / ddp.world,
+            }
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{tps:,.0f}")
         if done % cfg.eval_interval == 0 or done == cfg.max_steps:
             row["val_loss"] = estimate_val_loss(raw_model, val_tokens, cfg, mcfg.block_size, device, autocast)
@@ -293,8 +339,18 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
             history.append(row)
             tracking.log_step(run_id, row)
         if ddp.main and (done % cfg.checkpoint_interval == 0 or done == cfg.max_steps):
-            save_checkpoint(ckpt_dir, raw_model, opt, {"step": done, "fingerprint": fp, "history": history,
-                                                        "run_id": run_id, "tokens": tokens_seen})
+            save_checkpoint(
+                ckpt_dir,
+                raw_model,
+                opt,
+                {
+                    "step": done,
+                    "fingerprint": fp,
+                    "history": history,
+                    "run_id": run_id,
+                    "tokens": tokens_seen,
+                },
+            )
             write_log(history)
         if done == fault_step:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -303,10 +359,18 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
     if not ddp.main:
         return {}
     final = history[-1] if history else {}
-    meta = {"run_id": run_id, "data_sha256": manifest.get("sha256"), "git_commit": tracking.git_commit(),
-            "metrics": {"train_loss": final.get("train_loss"), "val_loss": final.get("val_loss"),
-                        "steps": cfg.max_steps, "tokens": tokens_seen},
-            "num_params": raw_model.num_params()}
+    meta = {
+        "run_id": run_id,
+        "data_sha256": manifest.get("sha256"),
+        "git_commit": tracking.git_commit(),
+        "metrics": {
+            "train_loss": final.get("train_loss"),
+            "val_loss": final.get("val_loss"),
+            "steps": cfg.max_steps,
+            "tokens": tokens_seen,
+        },
+        "num_params": raw_model.num_params(),
+    }
     export_model(raw_model, out_dir, meta)
     write_log(history)
     tracking.log_model(run_id, out_dir)

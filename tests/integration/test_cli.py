@@ -46,34 +46,50 @@ def test_stages_out_of_order_say_what_to_run(tmp_path):
 
 
 def test_missing_source_and_non_utf8_corpus(tmp_path):
-    project = make_project(tmp_path / "a", {"data": {"source": str(tmp_path / "nope.txt"), "max_bytes": None}},
-                           git=False)
+    project = make_project(
+        tmp_path / "a", {"data": {"source": str(tmp_path / "nope.txt"), "max_bytes": None}}, git=False
+    )
     assert_clean_error(lmops(project, "get_data"), "no such file")
     (tmp_path / "latin1.txt").write_bytes("café\n\nnaïve\n".encode("latin-1"))
-    project = make_project(tmp_path / "b", {"data": {"source": str(tmp_path / "latin1.txt"), "max_bytes": None}},
-                           git=False)
+    project = make_project(
+        tmp_path / "b", {"data": {"source": str(tmp_path / "latin1.txt"), "max_bytes": None}}, git=False
+    )
     assert_clean_error(lmops(project, "get_data"), "not UTF-8: byte 0xe9 at offset 3")
     assert not (project / "data/raw/corpus.txt").exists()
 
 
 def test_generate_from_a_model_directory(tiny_model_dir, tmp_path):
-    out = lmops(tmp_path, "generate", "--model", str(tiny_model_dir), "--prompt", "def f", "--max-tokens", "8",
-                "--temperature", "0", check=True)
+    out = lmops(
+        tmp_path,
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "def f",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        check=True,
+    )
     assert out.stdout.startswith("def f")
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
     (broken / "model.safetensors").unlink()
-    assert_clean_error(lmops(tmp_path, "generate", "--model", str(broken), "--prompt", "x"),
-                       "missing model.safetensors")
+    assert_clean_error(
+        lmops(tmp_path, "generate", "--model", str(broken), "--prompt", "x"), "missing model.safetensors"
+    )
 
 
 def test_template_creates_skeleton_idempotently_and_never_overwrites(tmp_path):
-    first = subprocess.run([sys.executable, str(REPO / "template.py"), str(tmp_path)], capture_output=True,
-                           text=True, check=True)
+    first = subprocess.run(
+        [sys.executable, str(REPO / "template.py"), str(tmp_path)], capture_output=True, text=True, check=True
+    )
     assert "created data/raw/" in first.stdout and (tmp_path / "production_service/model").is_dir()
     (tmp_path / "data/raw/keep.txt").write_text("mine")
-    second = subprocess.run([sys.executable, str(REPO / "template.py"), str(tmp_path)], capture_output=True,
-                            text=True, check=True)
+    second = subprocess.run(
+        [sys.executable, str(REPO / "template.py"), str(tmp_path)], capture_output=True, text=True, check=True
+    )
     assert "created" not in second.stdout.replace("0 created", "")
     assert (tmp_path / "data/raw/keep.txt").read_text() == "mine"
 

@@ -29,7 +29,9 @@ def ran_stages(output: str) -> list[str]:
 def registry(project):
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=f"sqlite:///{project}/mlflow.db", registry_uri=f"sqlite:///{project}/mlflow.db")
+    return MlflowClient(
+        tracking_uri=f"sqlite:///{project}/mlflow.db", registry_uri=f"sqlite:///{project}/mlflow.db"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def test_transformers_loads_the_promoted_model(project):
         torch.testing.assert_close(hf(ids).logits, Llama.from_pretrained(served)(ids)[0], atol=1e-4, rtol=0)
 
 
-def test_registry_champion_and_pyfunc(project):
+def test_registry_champion_and_pyfunc(project, monkeypatch):
     import mlflow
 
     client = registry(project)
@@ -87,10 +89,15 @@ def test_registry_champion_and_pyfunc(project):
     promotion = json.loads((project / "artifacts/promotion.json").read_text())
     assert int(champion.version) == 1 and champion.run_id == promotion["run_id"]
     run_ = client.get_run(promotion["run_id"])
-    assert run_.data.tags["data_sha256"] == json.loads((project / "data/raw/manifest.json").read_text())["sha256"]
-    assert {"train_loss", "val_loss", "lr", "tokens_per_sec", "mfu", "test_bits_per_byte"} <= set(run_.data.metrics)
+    assert (
+        run_.data.tags["data_sha256"]
+        == json.loads((project / "data/raw/manifest.json").read_text())["sha256"]
+    )
+    assert {"train_loss", "val_loss", "lr", "tokens_per_sec", "mfu", "test_bits_per_byte"} <= set(
+        run_.data.metrics
+    )
     assert run_.data.params["model.n_layer"] == "2"
-    mlflow.set_tracking_uri(f"sqlite:///{project}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project}/mlflow.db")  # not global state
     model = mlflow.pyfunc.load_model("models:/lmops@champion")
     out = model.predict(["def ", "import "], params={"max_tokens": 5, "temperature": 0.0})
     from lmops.engine import LLMEngine, SamplingParams
@@ -126,7 +133,10 @@ def test_new_data_re_evaluates_the_champion(project):
     promotion = json.loads((project / "artifacts/promotion.json").read_text())
     assert "re-evaluated on the current test split" in promotion["reason"]
     tags = registry(project).get_model_version("lmops", str(promotion["champion_version"])).tags
-    assert tags["test_split_sha256"] == json.loads((project / "artifacts/metrics.json").read_text())["test_split_sha256"]
+    assert (
+        tags["test_split_sha256"]
+        == json.loads((project / "artifacts/metrics.json").read_text())["test_split_sha256"]
+    )
 
 
 def test_push_and_pull_through_a_local_remote(project, tmp_path):
@@ -140,7 +150,11 @@ def test_push_and_pull_through_a_local_remote(project, tmp_path):
     run(["git", "clone", "-q", str(project), str(clone)], tmp_path)
     assert not (clone / "artifacts/model").exists()
     run([dvc, "pull"], clone)
-    for rel in ("artifacts/model/model.safetensors", "data/processed/test.txt", "artifacts/tokenizer/tokenizer.json"):
+    for rel in (
+        "artifacts/model/model.safetensors",
+        "data/processed/test.txt",
+        "artifacts/tokenizer/tokenizer.json",
+    ):
         assert (clone / rel).read_bytes() == (project / rel).read_bytes()
     assert "up to date" in run([dvc, "status"], clone).stdout
     shutil.rmtree(clone)

@@ -46,7 +46,9 @@ def test_sigkilled_training_resumes_to_the_same_weights(tokenized_project, tmp_p
     # The resumed run continues the same MLflow run and the same log.
     meta = json.loads((killed / "artifacts/model/lmops.json").read_text())
     assert meta["run_id"] == state["run_id"]
-    steps = [int(r.split(",")[0]) for r in (killed / "artifacts/plots/train_log.csv").read_text().splitlines()[1:]]
+    steps = [
+        int(r.split(",")[0]) for r in (killed / "artifacts/plots/train_log.csv").read_text().splitlines()[1:]
+    ]
     assert steps == [5, 10, 15, 20]
 
 
@@ -72,8 +74,11 @@ def test_corrupt_checkpoint_stops_with_a_clear_error(tokenized_project, tmp_path
 
 def test_ddp_with_two_processes_on_cpu(tokenized_project, tmp_path):
     project = _copy(tokenized_project, tmp_path / "ddp")
-    run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "lmops.cli", "train"], project,
-              timeout=400)
+    run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "lmops.cli", "train"],
+        project,
+        timeout=400,
+    )
     meta = json.loads((project / "artifacts/model/lmops.json").read_text())
     from mlflow import MlflowClient
 

@@ -29,15 +29,28 @@ def make_model_dir(directory: Path) -> Path:
     from lmops.model import Llama, LlamaConfig
     from lmops.tokenizer import save_tokenizer, train_tokenizer
 
-    text = SHAKESPEARE.read_text()[:20_000] if SHAKESPEARE.is_file() else \
-        "\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(500))
+    text = (
+        SHAKESPEARE.read_text()[:20_000]
+        if SHAKESPEARE.is_file()
+        else "\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(500))
+    )
     tok = train_tokenizer([text], vocab_size=300)
-    Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), n_layer=2, n_head=4, n_kv_heads=2, n_embd=64,
-                      intermediate_size=128, block_size=CONTEXT)).save_pretrained(directory)
+    Llama(
+        LlamaConfig(
+            vocab_size=tok.get_vocab_size(),
+            n_layer=2,
+            n_head=4,
+            n_kv_heads=2,
+            n_embd=64,
+            intermediate_size=128,
+            block_size=CONTEXT,
+        )
+    ).save_pretrained(directory)
     save_tokenizer(tok, directory, CONTEXT)
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    (directory / "lmops.json").write_text(json.dumps(
-        {"run_id": "run-tiny", "model_name": "lmops-tiny", "model_version": "7"}))
+    (directory / "lmops.json").write_text(
+        json.dumps({"run_id": "run-tiny", "model_name": "lmops-tiny", "model_version": "7"})
+    )
     return directory
 
 
@@ -91,15 +104,30 @@ class Server:
 
 def start_server(model_dir: Path | None, log: Path, wait_ready: bool = True, **env: str) -> Server:
     port = free_port()
-    full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "LMOPS_DEVICE": "cpu",
-                "LMOPS_GRACEFUL_TIMEOUT": "10", **env}
+    full_env = {
+        **os.environ,
+        "HOST": "127.0.0.1",
+        "PORT": str(port),
+        "LMOPS_DEVICE": "cpu",
+        "LMOPS_GRACEFUL_TIMEOUT": "10",
+        **env,
+    }
     if model_dir is not None:
         full_env["LMOPS_MODEL_DIR"] = str(model_dir)
     gunicorn = Path(sys.executable).parent / "gunicorn"
     with log.open("wb") as out:
-        proc = subprocess.Popen([str(gunicorn), "--config", "production_service/gunicorn.conf.py",
-                                 "production_service.app:create_app()"],
-                                cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                str(gunicorn),
+                "--config",
+                "production_service/gunicorn.conf.py",
+                "production_service.app:create_app()",
+            ],
+            cwd=REPO,
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     server = Server(f"http://127.0.0.1:{port}", proc, log)
     if wait_ready:
         deadline = time.monotonic() + 60
@@ -118,7 +146,6 @@ def start_server(model_dir: Path | None, log: Path, wait_ready: bool = True, **e
 @pytest.fixture(scope="session")
 def server(model_dir, tmp_path_factory):
     """One real gunicorn replica, with an API key, shared by the live tests."""
-    srv = start_server(model_dir, tmp_path_factory.mktemp("server") / "server.log",
-                       LMOPS_API_KEY="test-key")
+    srv = start_server(model_dir, tmp_path_factory.mktemp("server") / "server.log", LMOPS_API_KEY="test-key")
     yield srv
     srv.stop()

@@ -32,7 +32,6 @@ def cheap(body: dict) -> dict:
 
 @schemathesis.hook
 def map_case(context, case):
-    if (case.meta is not None and case.meta.generation.mode.is_positive
-            and isinstance(case.body, dict)):
+    if case.meta is not None and case.meta.generation.mode.is_positive and isinstance(case.body, dict):
         case.body = cheap(case.body)
     return case

@@ -36,14 +36,17 @@ def assert_error(response, status: int, code: str | None = None, param: str | No
 
 def sse_events(response) -> list:
     text = response.get_data(as_text=True)
-    datas = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    datas = [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
     assert datas[-1] == "[DONE]"
     return [json.loads(d) for d in datas[:-1]]
 
 
 def test_completion_shape_usage_and_request_id(client, app):
-    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0},
-                    headers={"X-Request-ID": "req-42"})
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0},
+        headers={"X-Request-ID": "req-42"},
+    )
     assert r.status_code == 200 and r.headers["X-Request-ID"] == "req-42"
     body = r.get_json()
     assert body["id"] == "cmpl-req-42" and body["object"] == "text_completion"
@@ -80,8 +83,7 @@ def test_echo_and_logprobs(client):
 
 def test_stream_matches_plain_and_ends_with_done(client):
     plain = completion(client, temperature=0, max_tokens=6).get_json()
-    r = completion(client, temperature=0, max_tokens=6, stream=True,
-                   stream_options={"include_usage": True})
+    r = completion(client, temperature=0, max_tokens=6, stream=True, stream_options={"include_usage": True})
     assert r.status_code == 200 and r.mimetype == "text/event-stream"
     events = sse_events(r)
     text = "".join(c["text"] for e in events for c in e["choices"])
@@ -113,24 +115,27 @@ def test_predict_and_models(client):
     assert model["max_model_len"] == CONTEXT
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"temperature": 5}, "temperature"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": CONTEXT + 1}, "max_tokens"),
-    ({"n": 1.5}, "n"),
-    ({"top_p": 0}, "top_p"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"seed": -1}, "seed"),
-    ({"stop": [""]}, "stop"),
-    ({"stream": "yes"}, "stream"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [10**6]}, "prompt"),
-    ({"prompt": None}, "prompt"),
-    ({"best_of": 2}, "best_of"),
-    ({"max_token": 3}, "max_token"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": CONTEXT + 1}, "max_tokens"),
+        ({"n": 1.5}, "n"),
+        ({"top_p": 0}, "top_p"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [10**6]}, "prompt"),
+        ({"prompt": None}, "prompt"),
+        ({"best_of": 2}, "best_of"),
+        ({"max_token": 3}, "max_token"),
+    ],
+)
 def test_invalid_values_are_400_naming_the_field(client, body, param):
     assert_error(completion(client, **body), 400, "invalid_value", param)
 
@@ -141,9 +146,16 @@ def test_missing_prompt_and_non_object_bodies(client):
     assert_error(client.post("/predict", json={"prompt": 3}), 400, param="prompt")
 
 
-@pytest.mark.parametrize("data", [b"{not json", b'{"prompt": "a", "temperature": NaN}',
-                                  b"[" * 5000 + b"]" * 5000, b'{"prompt": "\\ud800"}',
-                                  b"\xff\xfe\x00"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"{not json",
+        b'{"prompt": "a", "temperature": NaN}',
+        b"[" * 5000 + b"]" * 5000,
+        b'{"prompt": "\\ud800"}',
+        b"\xff\xfe\x00",
+    ],
+)
 def test_bodies_that_are_not_json_are_400(client, data):
     r = client.post("/v1/completions", data=data, content_type="application/json")
     assert_error(r, 400, "invalid_json")
@@ -166,8 +178,9 @@ def test_unknown_model_is_404(client):
 
 
 def test_prompt_too_long_400_with_numbers_or_left_truncated(client):
-    error = assert_error(completion(client, prompt="to be or not " * 200), 400,
-                         "context_length_exceeded", "prompt")
+    error = assert_error(
+        completion(client, prompt="to be or not " * 200), 400, "context_length_exceeded", "prompt"
+    )
     assert str(CONTEXT) in error["message"] and str(CONTEXT - 1) in error["message"]
     r = completion(client, prompt="to be or not " * 200, truncate_prompt_tokens=10)
     assert r.status_code == 200 and r.get_json()["usage"]["prompt_tokens"] == 10
@@ -176,9 +189,13 @@ def test_prompt_too_long_400_with_numbers_or_left_truncated(client):
 def test_metrics_has_engine_and_http_series(client):
     completion(client).close()  # the WSGI server closes every response; that records it
     text = client.get("/metrics").get_data(as_text=True)
-    for name in ("lmops:num_requests_running", "lmops:kv_cache_usage_perc",
-                 "lmops:time_to_first_token_seconds_bucket", "http_requests_total",
-                 "http_request_duration_seconds_bucket"):
+    for name in (
+        "lmops:num_requests_running",
+        "lmops:kv_cache_usage_perc",
+        "lmops:time_to_first_token_seconds_bucket",
+        "http_requests_total",
+        "http_request_duration_seconds_bucket",
+    ):
         assert name in text
     assert 'handler="/v1/completions",method="POST",status="200"' in text
 
@@ -209,12 +226,14 @@ def test_api_key_is_required_and_compared_in_constant_time(model_dir, monkeypatc
     r = completion(client)
     assert_error(r, 401, "invalid_api_key")
     assert r.headers["WWW-Authenticate"] == "Bearer"
-    assert_error(client.post("/v1/completions", json={"prompt": "a"},
-                             headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(
+        client.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer wrong"}), 401
+    )
     assert_error(client.get("/v1/models", headers={"Authorization": "Basic s3cret"}), 401)
     # the right key passes authentication (and meets the not-loaded 503)
-    assert_error(client.post("/v1/completions", json={"prompt": "a"},
-                             headers={"Authorization": "Bearer s3cret"}), 503)
+    assert_error(
+        client.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer s3cret"}), 503
+    )
     assert len(calls) == 2  # every bearer token went through compare_digest
     assert client.get("/health").status_code == 200
     doc = client.get("/openapi.json").get_json()
@@ -259,8 +278,11 @@ def test_full_queue_is_429_then_shutdown_is_503(model_dir):
 def test_engine_failure_mid_stream_is_reported_in_band_and_by_health(model_dir):
     app = load_app(model_dir=model_dir, device="cpu")
     runtime, client = app.extensions["lmops"], app.test_client()
-    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 200, "stream": True,
-                                             "ignore_eos": True}, buffered=False)
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True},
+        buffered=False,
+    )
     events = iter(r.response)
     assert next(events).startswith(b"data: {")
 
@@ -269,7 +291,7 @@ def test_engine_failure_mid_stream_is_reported_in_band_and_by_health(model_dir):
 
     runtime.engine.step = broken_step
     rest = b"".join(events).decode()
-    error = json.loads(rest.strip().split("\n\n")[-1][len("data: "):])["error"]
+    error = json.loads(rest.strip().split("\n\n")[-1][len("data: ") :])["error"]
     assert error["code"] == "engine_failed" and "simulated device failure" in error["message"]
     assert "[DONE]" not in rest
     r.close()
@@ -278,10 +300,14 @@ def test_engine_failure_mid_stream_is_reported_in_band_and_by_health(model_dir):
 
 
 def test_config_from_env_names_the_bad_variable():
-    config = ServiceConfig.from_env({"PORT": "8080", "LMOPS_MODEL_URI": "models:/lmops@champion",
-                                     "LMOPS_ENABLE_PREFIX_CACHING": "false"})
-    assert (config.port, config.model_uri, config.enable_prefix_caching) == \
-        (8080, "models:/lmops@champion", False)
+    config = ServiceConfig.from_env(
+        {"PORT": "8080", "LMOPS_MODEL_URI": "models:/lmops@champion", "LMOPS_ENABLE_PREFIX_CACHING": "false"}
+    )
+    assert (config.port, config.model_uri, config.enable_prefix_caching) == (
+        8080,
+        "models:/lmops@champion",
+        False,
+    )
     assert config.worker_threads == config.max_num_seqs + config.max_queued + 8
     with pytest.raises(LmopsError, match="LMOPS_MAX_NUM_SEQS"):
         ServiceConfig.from_env({"LMOPS_MAX_NUM_SEQS": "lots"})

@@ -35,14 +35,22 @@ def metric(server, name: str) -> float:
 def test_openai_client_plain_stream_n_and_stop(oai):
     [model] = oai.models.list().data
     assert model.id == "lmops-tiny"
-    plain = oai.completions.create(model=model.id, prompt="ROMEO:", max_tokens=12, temperature=0,
-                                   extra_body={"ignore_eos": True})
+    plain = oai.completions.create(
+        model=model.id, prompt="ROMEO:", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = plain.choices[0].text
     assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 12
 
-    chunks = list(oai.completions.create(model=model.id, prompt="ROMEO:", max_tokens=12,
-                                         temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True}))
+    chunks = list(
+        oai.completions.create(
+            model=model.id,
+            prompt="ROMEO:",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -50,10 +58,16 @@ def test_openai_client_plain_stream_n_and_stop(oai):
     assert sorted(c.index for c in many.choices) == list(range(6))
 
     stop = text.strip()[2:4] or text[2:4]
-    stopped = oai.completions.create(model=model.id, prompt="ROMEO:", max_tokens=12, temperature=0,
-                                     stop=[stop], extra_body={"ignore_eos": True})
+    stopped = oai.completions.create(
+        model=model.id,
+        prompt="ROMEO:",
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert stopped.choices[0].finish_reason == "stop"
-    assert stopped.choices[0].text == text[:text.index(stop)]
+    assert stopped.choices[0].text == text[: text.index(stop)]
 
     with pytest.raises(openai.BadRequestError) as err:
         oai.completions.create(model=model.id, prompt="x", temperature=9)
@@ -65,13 +79,20 @@ def test_openai_client_plain_stream_n_and_stop(oai):
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(server):
-    aborted_before = metric(server, 'lmops:request_success_total{finished_reason="abort"}') \
-        if "abort" in requests.get(f"{server.url}/metrics").text else 0.0
+    aborted_before = (
+        metric(server, 'lmops:request_success_total{finished_reason="abort"}')
+        if "abort" in requests.get(f"{server.url}/metrics").text
+        else 0.0
+    )
     url = urlparse(server.url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
     body = {"prompt": "ROMEO: " * 20, "max_tokens": 200, "stream": True, "ignore_eos": True}
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {**AUTH, "Content-Type": "application/json", "X-Request-ID": "gone-away"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(body),
+        {**AUTH, "Content-Type": "application/json", "X-Request-ID": "gone-away"},
+    )
     response = conn.getresponse()
     assert response.status == 200
     assert response.readline().startswith(b"data: ")
@@ -86,21 +107,32 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(server):
     assert metric(server, "lmops:kv_cache_usage_perc") == 0
     assert metric(server, 'lmops:request_success_total{finished_reason="abort"}') == aborted_before + 1
     while time.monotonic() < deadline and not any(
-            r["request_id"] == "gone-away" for r in server.access_records()):
+        r["request_id"] == "gone-away" for r in server.access_records()
+    ):
         time.sleep(0.05)
     [record] = [r for r in server.access_records() if r["request_id"] == "gone-away"]
     assert record["client_disconnected"] is True and record["completion_tokens"] < 200
 
 
 def test_one_json_log_line_per_request_honouring_x_request_id(server):
-    r = requests.post(f"{server.url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 5},
-                      headers={**AUTH, "X-Request-ID": "trace-me-1"}, timeout=30)
+    r = requests.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "ROMEO:", "max_tokens": 5},
+        headers={**AUTH, "X-Request-ID": "trace-me-1"},
+        timeout=30,
+    )
     assert r.status_code == 200 and r.headers["X-Request-ID"] == "trace-me-1"
-    requests.post(f"{server.url}/v1/completions", data="{", timeout=5,
-                  headers={**AUTH, "Content-Type": "application/json", "X-Request-ID": "trace-me-2"})
+    requests.post(
+        f"{server.url}/v1/completions",
+        data="{",
+        timeout=5,
+        headers={**AUTH, "Content-Type": "application/json", "X-Request-ID": "trace-me-2"},
+    )
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and len(
-            [r for r in server.access_records() if r["request_id"].startswith("trace-me")]) < 2:
+    while (
+        time.monotonic() < deadline
+        and len([r for r in server.access_records() if r["request_id"].startswith("trace-me")]) < 2
+    ):
         time.sleep(0.05)
     records = {r["request_id"]: r for r in server.access_records()}
     ok, bad = records["trace-me-1"], records["trace-me-2"]
@@ -112,8 +144,12 @@ def test_one_json_log_line_per_request_honouring_x_request_id(server):
 
 
 def test_body_over_the_limit_is_413_through_gunicorn(server):
-    r = requests.post(f"{server.url}/v1/completions", data=b"x" * (2 << 20), timeout=10,
-                      headers={**AUTH, "Content-Type": "application/json"})
+    r = requests.post(
+        f"{server.url}/v1/completions",
+        data=b"x" * (2 << 20),
+        timeout=10,
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
@@ -121,9 +157,12 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(model_dir, tmp_path):
     server = start_server(model_dir, tmp_path / "drain.log")
     url = urlparse(server.url)
     stream = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    stream.request("POST", "/v1/completions",
-                   json.dumps({"prompt": "ROMEO:", "max_tokens": 240, "stream": True,
-                               "ignore_eos": True}), {"Content-Type": "application/json"})
+    stream.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "ROMEO:", "max_tokens": 240, "stream": True, "ignore_eos": True}),
+        {"Content-Type": "application/json"},
+    )
     response = stream.getresponse()
     first = response.readline()
     keepalive = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
@@ -133,8 +172,9 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(model_dir, tmp_path):
 
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
-    keepalive.request("POST", "/v1/completions", json.dumps({"prompt": "late"}),
-                      {"Content-Type": "application/json"})
+    keepalive.request(
+        "POST", "/v1/completions", json.dumps({"prompt": "late"}), {"Content-Type": "application/json"}
+    )
     late = keepalive.getresponse()
     assert late.status == 503 and json.loads(late.read())["error"]["code"] == "shutting_down"
 
@@ -159,8 +199,9 @@ def test_concurrent_requests_share_the_batch(server):
     results = []
 
     def one(i):
-        r = requests.post(f"{server.url}/predict", json={"prompt": f"line {i}", "max_tokens": 8},
-                          headers=AUTH, timeout=60)
+        r = requests.post(
+            f"{server.url}/predict", json={"prompt": f"line {i}", "max_tokens": 8}, headers=AUTH, timeout=60
+        )
         results.append(r.status_code)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]

@@ -35,8 +35,7 @@ def test_registry_alias_resolves_to_the_model_directory(model_dir, tmp_path, mon
     client.log_artifacts(run.info.run_id, str(model_dir), "model/artifacts/model_dir")
     client.set_terminated(run.info.run_id)
     client.create_registered_model("lmops")
-    version = client.create_model_version("lmops", f"{run.info.artifact_uri}/model",
-                                          run_id=run.info.run_id)
+    version = client.create_model_version("lmops", f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
     client.set_registered_model_alias("lmops", "champion", version.version)
 
     info = resolve_model(tmp_path / "unused", "models:/lmops@champion")

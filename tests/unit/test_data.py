@@ -17,7 +17,7 @@ def _stdlib() -> str:
 
 def test_stdlib_corpus_is_sorted_offline_and_has_no_tests():
     text = _stdlib()
-    names = [line[len(FILE_HEADER):] for line in text.splitlines() if line.startswith(FILE_HEADER)]
+    names = [line[len(FILE_HEADER) :] for line in text.splitlines() if line.startswith(FILE_HEADER)]
     assert names == sorted(names)
     assert len(names) > 300 and 5_000_000 < len(text) < 20_000_000
     assert not [n for n in names if "/test/" in f"/{n}" or n.split("/")[-1].startswith("test_")]

@@ -13,13 +13,23 @@ TEXT = "".join(f"print('line {i} → ok')\n" for i in range(300))
 
 def test_uniform_model_scores_log_vocab_nats_per_token():
     tok = train_tokenizer([TEXT], vocab_size=300)
-    model = Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), n_layer=1, n_head=2, n_kv_heads=1, n_embd=16,
-                              intermediate_size=32, block_size=32, tie_embeddings=False)).eval()
+    model = Llama(
+        LlamaConfig(
+            vocab_size=tok.get_vocab_size(),
+            n_layer=1,
+            n_head=2,
+            n_kv_heads=1,
+            n_embd=16,
+            intermediate_size=32,
+            block_size=32,
+            tie_embeddings=False,
+        )
+    ).eval()
     torch.nn.init.zeros_(model.lm_head.weight)  # every logit 0: a uniform distribution
     result = score(model, tok, TEXT, EvaluateConfig(max_batches=1000, batch_size=4))
     ids = encode(tok, TEXT)
     n_windows = (len(ids) - 1) // 32
-    targets = [ids[i * 32 + 1:(i + 1) * 32 + 1] for i in range(n_windows)]
+    targets = [ids[i * 32 + 1 : (i + 1) * 32 + 1] for i in range(n_windows)]
     n_bytes = sum(int(token_byte_lengths(tok)[t].sum()) for t in targets)
     assert result["tokens"] == n_windows * 32 and result["bytes"] == n_bytes
     assert result["loss"] == pytest.approx(math.log(tok.get_vocab_size()), rel=1e-5)
@@ -29,6 +39,9 @@ def test_uniform_model_scores_log_vocab_nats_per_token():
 
 def test_max_batches_caps_the_work():
     tok = train_tokenizer([TEXT], vocab_size=300)
-    model = Llama(LlamaConfig(vocab_size=300, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16,
-                              intermediate_size=32, block_size=16)).eval()
+    model = Llama(
+        LlamaConfig(
+            vocab_size=300, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, block_size=16
+        )
+    ).eval()
     assert score(model, tok, TEXT, EvaluateConfig(max_batches=2, batch_size=3))["tokens"] == 2 * 3 * 16

@@ -6,8 +6,9 @@ import torch
 from lmops.errors import LmopsError
 from lmops.model import KVCache, Llama, LlamaConfig
 
-CFG = LlamaConfig(vocab_size=320, n_layer=2, n_head=4, n_kv_heads=2, n_embd=64, intermediate_size=160,
-                  block_size=64)
+CFG = LlamaConfig(
+    vocab_size=320, n_layer=2, n_head=4, n_kv_heads=2, n_embd=64, intermediate_size=160, block_size=64
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_kv_cache_decoding_equals_full_forward(model):
         cache = KVCache(CFG, 2, CFG.block_size, "cpu", torch.float32)
         steps = [model(x[:, :25], positions=torch.arange(25).expand(2, 25), cache=cache)[0]]
         for t in range(25, 40):
-            steps.append(model(x[:, t:t + 1], positions=torch.full((2, 1), t), cache=cache)[0])
+            steps.append(model(x[:, t : t + 1], positions=torch.full((2, 1), t), cache=cache)[0])
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
 
 

@@ -9,8 +9,9 @@ from lmops.errors import LmopsError
 from lmops.model import Llama, LlamaConfig
 from lmops.train import batch, load_checkpoint, lr_at, make_optimizer, save_checkpoint
 
-CFG = LlamaConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32,
-                  block_size=8)
+CFG = LlamaConfig(
+    vocab_size=64, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, block_size=8
+)
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():

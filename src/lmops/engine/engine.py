@@ -56,10 +56,18 @@ class LLMEngine:
     fused tensors (see runner.FusedForward): numerically the same model, less overhead.
     """
 
-    def __init__(self, model: Llama, tokenizer: Tokenizer, *, block_size: int = 16,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 eos_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        model: Llama,
+        tokenizer: Tokenizer,
+        *,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        eos_token_ids: list[int] | None = None,
+    ):
         cfg = model.config
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, cfg
         self.max_model_len = cfg.block_size
@@ -77,13 +85,27 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
-        log.info("engine: %d KV blocks of %d tokens (%.1f MiB), device %s, %s", num_blocks,
-                 block_size, self.pool.nbytes / 2**20, self.device, self.dtype)
+        log.info(
+            "engine: %d KV blocks of %d tokens (%.1f MiB), device %s, %s",
+            num_blocks,
+            block_size,
+            self.pool.nbytes / 2**20,
+            self.device,
+            self.dtype,
+        )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, device: str = "auto", dtype: str | torch.dtype = "auto",
-                        block_size: int = 16, kv_cache_memory: int | None = None, max_num_seqs: int = 64,
-                        max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True) -> LLMEngine:
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        device: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+    ) -> LLMEngine:
         """Load a model directory (config.json, model.safetensors, tokenizer.json, and
         generation_config.json for extra EOS ids when present). `device` "auto" = CUDA if
         present; `dtype` "auto" = bfloat16 on CUDA, float32 on CPU; `kv_cache_memory` in bytes
@@ -110,9 +132,16 @@ class LLMEngine:
             except (json.JSONDecodeError, AttributeError) as exc:
                 raise LmopsError(f"{gen_cfg}: unreadable generation config ({exc})") from None
             eos |= set(value if isinstance(value, list) else [] if value is None else [value])
-        return cls(model, tokenizer, block_size=block_size, kv_cache_memory=kv_cache_memory,
-                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                   enable_prefix_caching=enable_prefix_caching, eos_token_ids=sorted(eos))
+        return cls(
+            model,
+            tokenizer,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            eos_token_ids=sorted(eos),
+        )
 
     def _num_blocks(self, kv_cache_memory: int | None) -> int:
         per_block = KVPool.bytes_per_block(self.config, self.block_size, self.dtype)
@@ -128,15 +157,18 @@ class LLMEngine:
             kv_cache_memory = max(min(want, cap), min_blocks * per_block)
         num_blocks = int(kv_cache_memory) // per_block
         if num_blocks < min_blocks:
-            raise LmopsError(f"kv_cache_memory={kv_cache_memory} bytes holds {num_blocks} blocks; one "
-                             f"{self.max_model_len}-token sequence needs {min_blocks} blocks of "
-                             f"{per_block} bytes, so at least {min_blocks * per_block} bytes")
+            raise LmopsError(
+                f"kv_cache_memory={kv_cache_memory} bytes holds {num_blocks} blocks; one "
+                f"{self.max_model_len}-token sequence needs {min_blocks} blocks of "
+                f"{per_block} bytes, so at least {min_blocks * per_block} bytes"
+            )
         return num_blocks
 
     # -- requests ----------------------------------------------------------------------
 
-    def make_request(self, request_id: str | None, prompt: str | list[int],
-                     params: SamplingParams | None = None) -> Request:
+    def make_request(
+        self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Request:
         """Validate and tokenize (touches no engine state, so any thread may call it)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -154,8 +186,10 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         limit = self.max_model_len - 1
         if len(ids) > limit:
-            raise PromptTooLongError(f"prompt is {len(ids)} tokens; this model's context is "
-                                     f"{self.max_model_len} tokens, so a prompt may have at most {limit}")
+            raise PromptTooLongError(
+                f"prompt is {len(ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens, so a prompt may have at most {limit}"
+            )
         if params.n > self.max_num_seqs:
             raise ValueError(f"n must be <= max_num_seqs ({self.max_num_seqs}), got {params.n}")
         max_tokens = self.max_model_len - len(ids)
@@ -164,14 +198,19 @@ class LLMEngine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         return Request(str(rid), text, ids, params, max_tokens, now())
 
-    def add_request(self, request_id: str | None, prompt: str | list[int] | Request,
-                    params: SamplingParams | None = None) -> str:
+    def add_request(
+        self, request_id: str | None, prompt: str | list[int] | Request, params: SamplingParams | None = None
+    ) -> str:
         req = prompt if isinstance(prompt, Request) else self.make_request(request_id, prompt, params)
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        seq = Sequence(next(self._seq_ids), req, 0,
-                       IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
-                       self._generator(req.params.seed, 0))
+        seq = Sequence(
+            next(self._seq_ids),
+            req,
+            0,
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+            self._generator(req.params.seed, 0),
+        )
         seq.pending_forks = req.params.n - 1
         req.seqs.append(seq)
         self.requests[req.request_id] = req
@@ -223,8 +262,12 @@ class LLMEngine:
                 self.metrics.on_first_scheduled(m, t)
                 m.num_cached_tokens = seq.num_computed_tokens
                 prompt_tokens += m.num_prompt_tokens
-        self.metrics.on_schedule(preemptions=len(batch.preempted), prefix_queries=batch.prefix_queries,
-                                 prefix_hits=batch.prefix_hits, prompt_tokens=prompt_tokens)
+        self.metrics.on_schedule(
+            preemptions=len(batch.preempted),
+            prefix_queries=batch.prefix_queries,
+            prefix_hits=batch.prefix_hits,
+            prompt_tokens=prompt_tokens,
+        )
         touched: dict[str, Request] = {}
         if batch.seqs:
             logits = self.runner.execute(batch.seqs, batch.num_new_tokens, batch.copies)
@@ -278,11 +321,15 @@ class LLMEngine:
         return children
 
     def _update_gauges(self) -> None:
-        self.metrics.set_state(running=self.num_running, waiting=self.num_waiting,
-                               kv_usage=self.block_manager.usage)
+        self.metrics.set_state(
+            running=self.num_running, waiting=self.num_waiting, kv_usage=self.block_manager.usage
+        )
 
-    def generate(self, prompts: str | list[int] | list[str | list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run prompts to completion (continuous batching across them); outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

@@ -37,7 +37,7 @@ class KVPool:
         shape = (cfg.n_layer, 2 * cfg.n_kv_heads, num_blocks, block_size, cfg.head_dim)
         # Zeros, not empty: padded attention reads unused slots, which must be finite.
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
-        self.k, self.v = self.kv[:, :cfg.n_kv_heads], self.kv[:, cfg.n_kv_heads:]
+        self.k, self.v = self.kv[:, : cfg.n_kv_heads], self.kv[:, cfg.n_kv_heads :]
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod
@@ -138,7 +138,7 @@ class BlockManager:
         bs = self.block_size
         ids, hashes, parent = [], [], None
         for i in range((len(token_ids) - 1) // bs):
-            chunk = token_ids[i * bs:(i + 1) * bs]
+            chunk = token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, chunk)
             bid = self.cached.get(h)
             if bid is None or self.blocks[bid].token_ids != tuple(chunk):
@@ -152,8 +152,11 @@ class BlockManager:
         """The block that the next token is written into is shared with a sibling."""
         pos = seq.num_computed_tokens
         i = pos // self.block_size
-        return pos % self.block_size != 0 and i < len(seq.block_table) and \
-            self.blocks[seq.block_table[i]].ref_count > 1
+        return (
+            pos % self.block_size != 0
+            and i < len(seq.block_table)
+            and self.blocks[seq.block_table[i]].ref_count > 1
+        )
 
     def num_new_blocks(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> int:
         """Free blocks that `allocate(seq, num_tokens, hits)` would consume."""
@@ -161,8 +164,9 @@ class BlockManager:
         need += sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
         return need + (1 if not hits and self._needs_cow(seq) else 0)
 
-    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = (),
-                 hit_hashes: list[bytes] = ()) -> list[tuple[int, int]] | None:
+    def allocate(
+        self, seq: Sequence, num_tokens: int, hits: list[int] = (), hit_hashes: list[bytes] = ()
+    ) -> list[tuple[int, int]] | None:
         """Make seq's block table cover `num_tokens` tokens, taking the prefix-cache `hits`
         first (only for a sequence without blocks). All or nothing: None if too few free
         blocks. Returns the copy-on-write (src, dst) pairs to apply before the forward."""
@@ -198,7 +202,7 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
-            chunk = seq.token_ids[i * bs:(i + 1) * bs]
+            chunk = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)
             b = self.blocks[seq.block_table[i]]
             if b.hash is None:

@@ -74,7 +74,7 @@ class EngineLoop:
         self._cancels: deque[str] = deque()
         self._streams: dict[str, RequestStream] = {}
         self._accepting = True
-        self._deadline: float | None = None   # set by shutdown
+        self._deadline: float | None = None  # set by shutdown
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._last_progress = now()
@@ -97,8 +97,9 @@ class EngineLoop:
     def _pending(self) -> bool:
         return bool(self._inbox or self._streams)
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> RequestStream:
+    def submit(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestStream:
         req = self.engine.make_request(request_id, prompt, params)  # raises ValueError here
         with self._cv:
             if not self._accepting:
@@ -106,8 +107,9 @@ class EngineLoop:
             if self._error is not None or self._thread is None or not self._thread.is_alive():
                 raise RuntimeError("engine loop is not running")
             if self.num_waiting >= self.max_queued:
-                raise QueueFullError(f"{self.num_waiting} requests are already waiting "
-                                     f"(max_queued={self.max_queued})")
+                raise QueueFullError(
+                    f"{self.num_waiting} requests are already waiting (max_queued={self.max_queued})"
+                )
             if req.request_id in self._streams:
                 raise ValueError(f"request_id {req.request_id!r} is already in use")
             if not self._pending():
@@ -162,8 +164,12 @@ class EngineLoop:
         try:
             while True:
                 with self._cv:
-                    while not (self._inbox or self._cancels or self._deadline is not None
-                               or eng.has_unfinished_requests()):
+                    while not (
+                        self._inbox
+                        or self._cancels
+                        or self._deadline is not None
+                        or eng.has_unfinished_requests()
+                    ):
                         self._cv.wait()
                     for req in self._inbox:  # under the lock: num_waiting never undercounts
                         try:

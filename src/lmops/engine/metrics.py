@@ -12,12 +12,74 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read these unchanged.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0)
-_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def now() -> float:
@@ -58,11 +120,16 @@ class RequestMetrics:
         return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
 
     def as_dict(self) -> dict:
-        return {"arrival_time": self.arrival_time, "queue_time": self.queue_time, "ttft": self.ttft,
-                "tpot": self.tpot, "e2e_latency": self.e2e_latency,
-                "num_prompt_tokens": self.num_prompt_tokens,
-                "num_generation_tokens": self.num_generation_tokens,
-                "num_cached_tokens": self.num_cached_tokens}
+        return {
+            "arrival_time": self.arrival_time,
+            "queue_time": self.queue_time,
+            "ttft": self.ttft,
+            "tpot": self.tpot,
+            "e2e_latency": self.e2e_latency,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+        }
 
 
 class EngineMetrics:
@@ -70,33 +137,50 @@ class EngineMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.ttft = Histogram("lmops:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("lmops:time_per_output_token_seconds",
-                              "Time between consecutive output tokens of a request.",
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("lmops:e2e_request_latency_seconds", "End-to-end request latency.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("lmops:request_queue_time_seconds",
-                               "Time from arrival to first scheduling.",
-                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "lmops:time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "lmops:time_per_output_token_seconds",
+            "Time between consecutive output tokens of a request.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "lmops:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "lmops:request_queue_time_seconds",
+            "Time from arrival to first scheduling.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("lmops:num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("lmops:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
-        self.kv_usage = Gauge("lmops:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                              registry=r)
-        self.prefix_queries = Counter("lmops:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.", registry=r)
-        self.prefix_hits = Counter("lmops:prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache.", registry=r)
-        self.preemptions = Counter("lmops:num_preemptions", "Sequences preempted (to be recomputed).",
-                                   registry=r)
+        self.kv_usage = Gauge(
+            "lmops:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", registry=r
+        )
+        self.prefix_queries = Counter(
+            "lmops:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_hits = Counter(
+            "lmops:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r
+        )
+        self.preemptions = Counter(
+            "lmops:num_preemptions", "Sequences preempted (to be recomputed).", registry=r
+        )
         self.prompt_tokens = Counter("lmops:prompt_tokens", "Prefill tokens processed.", registry=r)
         self.generation_tokens = Counter("lmops:generation_tokens", "Tokens generated.", registry=r)
-        self.success = Counter("lmops:request_success", "Finished requests by finish reason.",
-                               ["finished_reason"], registry=r)
+        self.success = Counter(
+            "lmops:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
 
-    def on_schedule(self, *, preemptions: int, prefix_queries: int, prefix_hits: int,
-                    prompt_tokens: int) -> None:
+    def on_schedule(
+        self, *, preemptions: int, prefix_queries: int, prefix_hits: int, prompt_tokens: int
+    ) -> None:
         if preemptions:
             self.preemptions.inc(preemptions)
         if prefix_queries:

@@ -43,24 +43,25 @@ _MAX_GROUP_QUERY = 64
 
 @dataclass
 class ContextGroup:
-    rows: slice                 # B members x n rows of the packed batch, member-major
-    n: int                      # new tokens per member (1 for decodes)
-    block_ids: torch.Tensor     # (B * max_blocks,) block tables, padded, flattened
-    mask: torch.Tensor          # (1, B, G * n or 1, max_blocks * block_size) additive: 0 or -inf
+    rows: slice  # B members x n rows of the packed batch, member-major
+    n: int  # new tokens per member (1 for decodes)
+    block_ids: torch.Tensor  # (B * max_blocks,) block tables, padded, flattened
+    mask: torch.Tensor  # (1, B, G * n or 1, max_blocks * block_size) additive: 0 or -inf
 
 
 @dataclass
 class PrefillSeg:
     rows: slice
     block_ids: torch.Tensor | None  # blocks holding the whole context, None if nothing cached
-    mask: torch.Tensor | None       # (n, context) additive causal mask over the cached prefix too
+    mask: torch.Tensor | None  # (n, context) additive causal mask over the cached prefix too
 
 
 class PagedAttention:
     """Attention through block tables for one step; also usable as model.py's `cache` hook."""
 
-    def __init__(self, pool: KVPool, slot_mapping: torch.Tensor, groups: list[ContextGroup],
-                 prefills: list[PrefillSeg]):
+    def __init__(
+        self, pool: KVPool, slot_mapping: torch.Tensor, groups: list[ContextGroup], prefills: list[PrefillSeg]
+    ):
         self.pool, self.slot_mapping = pool, slot_mapping
         self.groups, self.prefills = groups, prefills
         # One gather buffer for the step, reused by every group and layer.
@@ -76,7 +77,7 @@ class PagedAttention:
         """q: (T, H, D); kv: (T, 2 * Hkv, D), K heads then V heads -> (T, H, D)."""
         T, H, D = q.shape
         Hkv = kv.shape[1] // 2
-        cache = self.pool.kv[layer]                                 # (2Hkv, blocks, bs, D)
+        cache = self.pool.kv[layer]  # (2Hkv, blocks, bs, D)
         nb, bs = cache.shape[1], cache.shape[2]
         cache.view(2 * Hkv, nb * bs, D).index_copy_(1, self.slot_mapping, kv.transpose(0, 1))
         blocks = cache.view(2 * Hkv, nb, bs * D)
@@ -86,12 +87,12 @@ class PagedAttention:
         for g in self.groups:
             out[g.rows] = self._group(g, q[g.rows], blocks, Hkv)
         for p in self.prefills:
-            qs = q[p.rows].transpose(0, 1)[None]                    # (1, H, n, D)
+            qs = q[p.rows].transpose(0, 1)[None]  # (1, H, n, D)
             if p.block_ids is None:
                 ks, vs = kv[p.rows].transpose(0, 1)[None].split(Hkv, 1)
                 y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
-                ctx = blocks.index_select(1, p.block_ids).view(2 * Hkv, -1, D)[None, :, :p.mask.shape[1]]
+                ctx = blocks.index_select(1, p.block_ids).view(2 * Hkv, -1, D)[None, :, : p.mask.shape[1]]
                 ks, vs = ctx.split(Hkv, 1)
                 y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
             out[p.rows] = y[0].transpose(0, 1)
@@ -133,12 +134,20 @@ class FusedForward:
                 a, mlp = layer.self_attn, layer.mlp
                 qkv = _fuse(a.q_proj, a.k_proj, a.v_proj)
                 gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
-                self.layers.append((layer.input_layernorm.weight, qkv, a.o_proj.weight,
-                                    layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight))
+                self.layers.append(
+                    (
+                        layer.input_layernorm.weight,
+                        qkv,
+                        a.o_proj.weight,
+                        layer.post_attention_layernorm.weight,
+                        gate_up,
+                        mlp.down_proj.weight,
+                    )
+                )
         device = qkv.device
         cos, sin = rope_cos_sin(torch.arange(cfg.block_size, device=device), cfg.head_dim, cfg.rope_theta)
         half = cfg.head_dim // 2
-        self.cos = cos                                              # (max_len, D) float32
+        self.cos = cos  # (max_len, D) float32
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), 1)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -146,8 +155,9 @@ class FusedForward:
         xf = x.float()
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 attn: PagedAttention) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention
+    ) -> torch.Tensor:
         """(T,) ids and positions -> (T, n_embd) final hidden states."""
         H, Hkv, D, inter = self.n_head, self.n_kv, self.head_dim, self.inter
         T = input_ids.shape[0]
@@ -177,21 +187,25 @@ def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
     start = 0
     for lin in linears:
         n = lin.weight.shape[0]
-        lin.weight.data = fused[start:start + n]
+        lin.weight.data = fused[start : start + n]
         start += n
     return fused
 
 
-def context_groups(segs: list[tuple[int, int]], block_size: int, max_pad: float = _MAX_PAD_FRACTION,
-                   max_elems: int = 1 << 22) -> list[tuple[int, int]]:
+def context_groups(
+    segs: list[tuple[int, int]], block_size: int, max_pad: float = _MAX_PAD_FRACTION, max_elems: int = 1 << 22
+) -> list[tuple[int, int]]:
     """Split (n, context length) pairs, sorted, into [start, end) groups of equal n whose
     block padding stays under `max_pad` and whose mask stays under `max_elems` entries."""
     groups, start, total = [], 0, 0
     for i, (n, length) in enumerate(segs):
         nb = -(-length // block_size)
         size = i - start + 1
-        if i > start and (n != segs[start][0] or size * nb > (1 + max_pad) * (total + nb)
-                          or size * n * nb * block_size > max_elems):
+        if i > start and (
+            n != segs[start][0]
+            or size * nb > (1 + max_pad) * (total + nb)
+            or size * n * nb * block_size > max_elems
+        ):
             groups.append((start, i))
             start, total = i, 0
         total += nb
@@ -219,9 +233,14 @@ class ModelRunner:
         bs, dev = self.block_size, self.device
         G = self.model.config.n_head // self.model.config.n_kv_heads
         # Grouped first (sorted by new tokens, then context length), then the other prefills.
-        grouped = sorted((i for i, n in enumerate(num_new)
-                          if n <= _MAX_GROUP_QUERY and (n == 1 or seqs[i].num_computed_tokens > 0)),
-                         key=lambda i: (num_new[i], seqs[i].num_computed_tokens))
+        grouped = sorted(
+            (
+                i
+                for i, n in enumerate(num_new)
+                if n <= _MAX_GROUP_QUERY and (n == 1 or seqs[i].num_computed_tokens > 0)
+            ),
+            key=lambda i: (num_new[i], seqs[i].num_computed_tokens),
+        )
         in_group = set(grouped)
         order = grouped + [i for i in range(len(seqs)) if i not in in_group]
         ids, pos, slots, last = [], [], [], {}
@@ -229,7 +248,7 @@ class ModelRunner:
         for i in order:
             s, n = seqs[i], num_new[i]
             start, row = s.num_computed_tokens, len(ids)
-            ids.extend(s.token_ids[start:start + n])
+            ids.extend(s.token_ids[start : start + n])
             pos.extend(range(start, start + n))
             slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
             last[i] = row + n - 1
@@ -240,7 +259,7 @@ class ModelRunner:
             else:
                 L = start + n
                 mask = torch.ones(n, L, dtype=torch.bool).tril(diagonal=start)
-                table = torch.tensor(s.block_table[:-(-L // bs)])
+                table = torch.tensor(s.block_table[: -(-L // bs)])
                 prefills.append(PrefillSeg(slice(row, row + n), table.to(dev), self._additive(mask)))
         groups = []
         segs = [(num_new[i], seqs[i].num_computed_tokens + num_new[i]) for i in grouped]
@@ -249,23 +268,30 @@ class ModelRunner:
             n = segs[a][0]
             width = -(-max(L for _, L in segs[a:b]) // bs)
             # Padded with block 0: its keys are masked out, and any block holds finite values.
-            table = [seqs[grouped[j]].block_table[:-(-segs[j][1] // bs)] for j in range(a, b)]
+            table = [seqs[grouped[j]].block_table[: -(-segs[j][1] // bs)] for j in range(a, b)]
             table = [bt + [0] * (width - len(bt)) for bt in table]
             # Query i of a member (context L) sees keys up to L - n + i; same for all G heads.
             limit = torch.tensor([L - n for _, L in segs[a:b]])[:, None] + torch.arange(n)
-            valid = torch.arange(width * bs) <= limit[:, :, None]              # (B, n, keys)
+            valid = torch.arange(width * bs) <= limit[:, :, None]  # (B, n, keys)
             if n > 1:  # rows are (head, token) pairs; decodes broadcast one row over the heads
                 valid = valid[:, None].expand(-1, G, -1, -1).reshape(b - a, G * n, -1)
-            groups.append(ContextGroup(slice(row, row + (b - a) * n), n,
-                                       torch.tensor(table).view(-1).to(dev), self._additive(valid[None])))
+            groups.append(
+                ContextGroup(
+                    slice(row, row + (b - a) * n),
+                    n,
+                    torch.tensor(table).view(-1).to(dev),
+                    self._additive(valid[None]),
+                )
+            )
             row += (b - a) * n
         meta = torch.tensor([ids, pos, slots], dtype=torch.long).to(dev)
         attn = PagedAttention(self.pool, meta[2], groups, prefills)
         return meta[0], meta[1], attn, last
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_new: list[int],
-                copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+    def execute(
+        self, seqs: list[Sequence], num_new: list[int], copies: list[tuple[int, int]] = ()
+    ) -> torch.Tensor:
         """Run the step; float32 logits, one row per sequence that reaches its last token
         (`num_computed_tokens + num_new == num_tokens`), in `seqs` order."""
         self.pool.copy_blocks(list(copies))

@@ -49,33 +49,59 @@ class SamplingParams:
                 raise ValueError(f"{field} must be {allowed}, got {getattr(self, field)!r}")
 
         need(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1")
-        need(_is_num(self.temperature) and self.temperature >= 0, "temperature",
-             "a number >= 0 (0 = greedy)")
+        need(_is_num(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0 (0 = greedy)")
         need(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
-        need(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
-             "an integer >= 1, or 0 / -1 for no limit")
+        need(
+            _is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
+            "top_k",
+            "an integer >= 1, or 0 / -1 for no limit",
+        )
         need(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
-        need(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-             "presence_penalty", "a number in [-2, 2]")
-        need(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-             "frequency_penalty", "a number in [-2, 2]")
-        need(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-             "repetition_penalty", "a number in (0, 2]")
-        need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-             "max_tokens", "an integer >= 1 (or None: up to the model's context length)")
+        need(
+            _is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "a number in [-2, 2]",
+        )
+        need(
+            _is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "a number in [-2, 2]",
+        )
+        need(
+            _is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            "repetition_penalty",
+            "a number in (0, 2]",
+        )
+        need(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            "an integer >= 1 (or None: up to the model's context length)",
+        )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        need(self.stop is None or (isinstance(self.stop, list | tuple)
-                                   and all(isinstance(s, str) and s for s in self.stop)),
-             "stop", "a non-empty string or a list of non-empty strings")
+        need(
+            self.stop is None
+            or (isinstance(self.stop, list | tuple) and all(isinstance(s, str) and s for s in self.stop)),
+            "stop",
+            "a non-empty string or a list of non-empty strings",
+        )
         self.stop = list(self.stop or [])
-        need(self.stop_token_ids is None or (isinstance(self.stop_token_ids, list | tuple)
-                                             and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)),
-             "stop_token_ids", "a list of token ids (integers >= 0)")
+        need(
+            self.stop_token_ids is None
+            or (
+                isinstance(self.stop_token_ids, list | tuple)
+                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+            ),
+            "stop_token_ids",
+            "a list of token ids (integers >= 0)",
+        )
         self.stop_token_ids = list(self.stop_token_ids or [])
         need(self.seed is None or _is_int(self.seed), "seed", "an integer or None")
-        need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-             "logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        need(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"an integer in [0, {MAX_LOGPROBS}] or None",
+        )
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
 
     @property
@@ -84,8 +110,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1)
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 class SampleInput(Protocol):
@@ -106,7 +131,7 @@ def _token_counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     ids = torch.full((len(rows), width), vocab, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     ids = ids.to(device)
     counts = torch.zeros(len(rows), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
@@ -181,15 +206,15 @@ def sample(logits: torch.Tensor, seqs: list[SampleInput]) -> SampleResult:
     """One token per row of `logits` (N, V); row i belongs to `seqs[i]`."""
     logits = logits.float()
     params = [s.params for s in seqs]
-    raw_logprobs = (torch.log_softmax(logits, -1)
-                    if any(p.logprobs is not None for p in params) else None)
+    raw_logprobs = torch.log_softmax(logits, -1) if any(p.logprobs is not None for p in params) else None
     logits = apply_penalties(logits, seqs)
     greedy = [p.greedy for p in params]
     if all(greedy):
         tokens = argmax(logits)
     else:
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                             device=logits.device)[:, None]
+        temps = torch.tensor(
+            [p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device
+        )[:, None]
         probs = apply_filters(logits / temps, params).softmax(-1)
         q = torch.empty_like(probs).exponential_()
         for i, s in enumerate(seqs):
@@ -209,13 +234,13 @@ def _logprobs(raw: torch.Tensor | None, token_ids: list[int], params) -> list[di
         return [None] * len(token_ids)
     k = max(p.logprobs or 0 for p in params)
     chosen = raw.gather(1, torch.tensor(token_ids, device=raw.device)[:, None])[:, 0].tolist()
-    top_vals, top_ids = (raw.topk(k, -1) if k else (raw[:, :0], raw[:, :0].long()))
+    top_vals, top_ids = raw.topk(k, -1) if k else (raw[:, :0], raw[:, :0].long())
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
     out: list[dict | None] = []
     for i, p in enumerate(params):
         if p.logprobs is None:
             out.append(None)
             continue
-        top = dict(zip(top_ids[i][:p.logprobs], top_vals[i][:p.logprobs], strict=True))
+        top = dict(zip(top_ids[i][: p.logprobs], top_vals[i][: p.logprobs], strict=True))
         out.append({"token_id": token_ids[i], "logprob": chosen[i], "top": top})
     return out

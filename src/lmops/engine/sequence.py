@@ -38,8 +38,8 @@ class IncrementalDetokenizer:
         self.read = len(self.ids)
 
     def _window(self) -> tuple[str, str]:
-        done = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        full = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        done = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        full = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
         return done, full
 
     def add(self, token_id: int) -> str:
@@ -47,13 +47,13 @@ class IncrementalDetokenizer:
         done, full = self._window()
         if len(full) > len(done) and not full.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
-            return full[len(done):]
+            return full[len(done) :]
         return ""
 
     def flush(self) -> str:
         done, full = self._window()
         self.prefix = self.read = len(self.ids)
-        return full[len(done):] if len(full) > len(done) else ""
+        return full[len(done) :] if len(full) > len(done) else ""
 
     def copy(self) -> IncrementalDetokenizer:
         new = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
@@ -81,8 +81,14 @@ class Status(enum.Enum):
 class Sequence:
     """One completion: tokens (prompt + output), KV bookkeeping, text and stop state."""
 
-    def __init__(self, seq_id: int, request: Request, index: int, detok: IncrementalDetokenizer,
-                 generator: torch.Generator | None):
+    def __init__(
+        self,
+        seq_id: int,
+        request: Request,
+        index: int,
+        detok: IncrementalDetokenizer,
+        generator: torch.Generator | None,
+    ):
         self.seq_id, self.request, self.index = seq_id, request, index
         self.params: SamplingParams = request.params
         self.token_ids: list[int] = list(request.prompt_token_ids)
@@ -94,12 +100,12 @@ class Sequence:
         self.pending_forks = 0
         self.generator = generator
         self.detok = detok
-        self.text = ""          # decoded output, including a tail held back for stop strings
-        self.visible = 0        # len(text) that may be shown
+        self.text = ""  # decoded output, including a tail held back for stop strings
+        self.visible = 0  # len(text) that may be shown
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict] | None = [] if request.params.logprobs is not None else None
-        self.sent_text = 0      # what the previous RequestOutput carried
+        self.sent_text = 0  # what the previous RequestOutput carried
         self.sent_tokens = 0
 
     @property
@@ -112,7 +118,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -132,8 +138,7 @@ class Sequence:
         child.status = self.status
         return child
 
-    def append(self, token_id: int, logprob: dict | None, eos_ids: frozenset[int],
-               max_tokens: int) -> None:
+    def append(self, token_id: int, logprob: dict | None, eos_ids: frozenset[int], max_tokens: int) -> None:
         """Record a sampled token: text, stop strings, stop tokens, length limit."""
         p = self.params
         self.token_ids.append(token_id)
@@ -165,8 +170,15 @@ class Sequence:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, max_tokens: int, arrival_time: float):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        arrival_time: float,
+    ):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.params, self.max_tokens = params, max_tokens
         self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(prompt_token_ids))
@@ -176,8 +188,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.aborted or (len(self.seqs) == self.params.n
-                                and all(s.is_finished for s in self.seqs))
+        return self.aborted or (len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs))
 
 
 @dataclass
@@ -220,11 +231,19 @@ def make_output(req: Request) -> RequestOutput:
     outs = []
     for s in sorted(req.seqs, key=lambda s: s.index):
         ids = s.output_token_ids
-        outs.append(CompletionOutput(
-            index=s.index, text=s.text[:s.visible], token_ids=ids,
-            delta_text=s.text[s.sent_text:s.visible], delta_token_ids=ids[s.sent_tokens:],
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-            logprobs=None if s.logprobs is None else list(s.logprobs)))
+        outs.append(
+            CompletionOutput(
+                index=s.index,
+                text=s.text[: s.visible],
+                token_ids=ids,
+                delta_text=s.text[s.sent_text : s.visible],
+                delta_token_ids=ids[s.sent_tokens :],
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=None if s.logprobs is None else list(s.logprobs),
+            )
+        )
         s.sent_text, s.sent_tokens = s.visible, len(ids)
-    return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
-                         req.finished, copy.copy(req.metrics))
+    return RequestOutput(
+        req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.finished, copy.copy(req.metrics)
+    )

@@ -22,8 +22,22 @@ MAX_LEN = 256
 def synthetic_corpus(n_lines: int = 1500, seed: int = 0) -> list[str]:
     """Python-like lines plus some multi-byte UTF-8, deterministic."""
     rng = random.Random(seed)
-    names = ["add", "total", "value", "items", "count", "result", "name", "data", "index", "café",
-             "naïve", "größe", "日本", "snow☃"]
+    names = [
+        "add",
+        "total",
+        "value",
+        "items",
+        "count",
+        "result",
+        "name",
+        "data",
+        "index",
+        "café",
+        "naïve",
+        "größe",
+        "日本",
+        "snow☃",
+    ]
     ops = ["+", "-", "*", "//", "%", "==", "<", ">="]
     lines = []
     for _ in range(n_lines):
@@ -36,7 +50,7 @@ def synthetic_corpus(n_lines: int = 1500, seed: int = 0) -> list[str]:
         elif kind == 2:
             lines.append(f"# {a} {b} — {c} {rng.randrange(1000)}\n")
         else:
-            lines.append(f"if {a} {rng.choice(ops)} {b}:\n    print(\"{c}\")\n")
+            lines.append(f'if {a} {rng.choice(ops)} {b}:\n    print("{c}")\n')
     return lines
 
 
@@ -55,8 +69,15 @@ def model_dir(tmp_path_factory):
     tok = train_tokenizer(synthetic_corpus(), vocab_size=512)
     save_tokenizer(tok, d, MAX_LEN)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), n_layer=2, n_head=4, n_kv_heads=2, n_embd=64,
-                      intermediate_size=128, block_size=MAX_LEN)
+    cfg = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        n_layer=2,
+        n_head=4,
+        n_kv_heads=2,
+        n_embd=64,
+        intermediate_size=128,
+        block_size=MAX_LEN,
+    )
     model = Llama(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -85,8 +106,8 @@ def prompts(tokenizer):
     lines = synthetic_corpus(400, seed=1)
     out = []
     for i in range(16):
-        text = "".join(lines[i * 20:i * 20 + 1 + (i * 7) % 20])
-        ids = tokenizer.encode(text, add_special_tokens=False).ids[:4 + i * 8]
+        text = "".join(lines[i * 20 : i * 20 + 1 + (i * 7) % 20])
+        ids = tokenizer.encode(text, add_special_tokens=False).ids[: 4 + i * 8]
         out.append(ids)
     return out
 
@@ -98,7 +119,7 @@ def _greedy_reference(model: Llama, prompt_ids: list[int], max_tokens: int) -> l
     for _ in range(max_tokens):
         logits, _ = model(torch.tensor([ids], device=model.lm_head.weight.device))
         ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def _assert_all_blocks_free(engine) -> None:

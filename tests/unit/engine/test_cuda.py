@@ -13,8 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_cuda_float32_greedy_matches_cpu_full_recompute(model_dir, ref_model, prompts, greedy_reference):
-    engine = LLMEngine.from_pretrained(model_dir, device="cuda", dtype="float32",
-                                       max_num_batched_tokens=64)
+    engine = LLMEngine.from_pretrained(model_dir, device="cuda", dtype="float32", max_num_batched_tokens=64)
     batch = prompts[::2]
     outs = engine.generate(batch, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in outs] == [greedy_reference(ref_model, p, 16) for p in batch]
@@ -40,8 +39,14 @@ def test_cuda_bfloat16_engine_tracks_the_contiguous_path(model_dir, prompts):
     cache = KVCache(ref.config, 1, len(ids), "cuda", torch.bfloat16)
     with torch.no_grad():
         logits = ref(torch.tensor([p], device="cuda"), cache=cache)[0][0, -1:]
-        steps = [ref(torch.tensor([[t]], device="cuda"), positions=torch.tensor([[len(p) + i]], device="cuda"),
-                     cache=cache)[0][0] for i, t in enumerate(out.token_ids[:-1])]
+        steps = [
+            ref(
+                torch.tensor([[t]], device="cuda"),
+                positions=torch.tensor([[len(p) + i]], device="cuda"),
+                cache=cache,
+            )[0][0]
+            for i, t in enumerate(out.token_ids[:-1])
+        ]
     expected = torch.cat([logits] + steps).float()
     got = torch.stack(rows)
     assert got.shape == expected.shape

@@ -17,8 +17,9 @@ def engine(model_dir):
 
 
 def test_generate_returns_text_tokens_reason_and_metrics(engine):
-    outs = engine.generate(["def add(a, b):", "for i in range(3):"],
-                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = engine.generate(
+        ["def add(a, b):", "for i in range(3):"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
     assert len(outs) == 2 and outs[0].prompt == "def add(a, b):"
     for o in outs:
         assert o.finished and o.finish_reason == "length" and len(o.token_ids) == 8
@@ -57,9 +58,12 @@ def test_max_tokens_is_clipped_to_the_context(engine):
 
 
 def test_abort_frees_every_block(model_dir, prompts, all_blocks_free):
-    per_block = KVPool.bytes_per_block(LLMEngine.from_pretrained(model_dir, device="cpu").config, 16, torch.float32)
-    engine = LLMEngine.from_pretrained(model_dir, device="cpu", block_size=16, kv_cache_memory=24 * per_block,
-                                       max_num_batched_tokens=64)
+    per_block = KVPool.bytes_per_block(
+        LLMEngine.from_pretrained(model_dir, device="cpu").config, 16, torch.float32
+    )
+    engine = LLMEngine.from_pretrained(
+        model_dir, device="cpu", block_size=16, kv_cache_memory=24 * per_block, max_num_batched_tokens=64
+    )
     params = SamplingParams(temperature=0.9, seed=1, max_tokens=60, ignore_eos=True)
     forked = engine.add_request(None, prompts[4], SamplingParams(n=3, max_tokens=60, ignore_eos=True))
     ids = [engine.add_request(None, p, params) for p in prompts[4:12]]
@@ -77,21 +81,27 @@ def test_abort_frees_every_block(model_dir, prompts, all_blocks_free):
         for o in engine.step():
             assert o.request_id in ids[3:-1]
     all_blocks_free(engine)
-    assert engine.metrics.registry.get_sample_value(
-        "lmops:request_success_total", {"finished_reason": "abort"}) == 5
+    assert (
+        engine.metrics.registry.get_sample_value("lmops:request_success_total", {"finished_reason": "abort"})
+        == 5
+    )
 
 
 def test_same_seed_same_text_whatever_the_batch(model_dir, prompts):
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=30)
     alone = LLMEngine.from_pretrained(model_dir, device="cpu").generate([prompts[6]], params)[0]
     busy = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_batched_tokens=40, block_size=8)
-    mates = [SamplingParams(temperature=0.7, max_tokens=25), SamplingParams(temperature=1.0, seed=9),
-             SamplingParams(temperature=0)]
+    mates = [
+        SamplingParams(temperature=0.7, max_tokens=25),
+        SamplingParams(temperature=1.0, seed=9),
+        SamplingParams(temperature=0),
+    ]
     batch = [prompts[i] for i in range(10)] + [prompts[6]]
     outs = busy.generate(batch, [mates[i % 3] for i in range(10)] + [params])
     assert outs[-1].token_ids == alone.token_ids and outs[-1].text == alone.text
     other = LLMEngine.from_pretrained(model_dir, device="cpu").generate(
-        [prompts[6]], SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=30))[0]
+        [prompts[6]], SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=30)
+    )[0]
     assert other.token_ids != alone.token_ids
 
 

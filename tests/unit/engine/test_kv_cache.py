@@ -11,8 +11,9 @@ from lmops.model import LlamaConfig
 
 
 def seq(tokens, computed=0):
-    return SimpleNamespace(token_ids=list(tokens), num_computed_tokens=computed, block_table=[],
-                           block_hashes=[])
+    return SimpleNamespace(
+        token_ids=list(tokens), num_computed_tokens=computed, block_table=[], block_hashes=[]
+    )
 
 
 def run_prefill(bm: BlockManager, s) -> None:
@@ -111,8 +112,12 @@ def test_copy_on_write_for_a_shared_partial_block():
     bm = BlockManager(8, 4)
     parent = seq(range(6))
     run_prefill(bm, parent)
-    child = SimpleNamespace(token_ids=list(parent.token_ids), num_computed_tokens=6,
-                            block_table=list(parent.block_table), block_hashes=list(parent.block_hashes))
+    child = SimpleNamespace(
+        token_ids=list(parent.token_ids),
+        num_computed_tokens=6,
+        block_table=list(parent.block_table),
+        block_hashes=list(parent.block_hashes),
+    )
     bm.share(parent, child)
     assert [bm.blocks[i].ref_count for i in parent.block_table] == [2, 2]
     parent.token_ids.append(7)

@@ -81,8 +81,10 @@ def test_cancel_aborts_and_frees_blocks(engine, loop, prompts, all_blocks_free):
     assert last.finished and last.finish_reason == "abort" and len(last.token_ids) < 200
     wait_for(lambda: not engine.has_unfinished_requests())
     all_blocks_free(engine)
-    assert engine.metrics.registry.get_sample_value(
-        "lmops:request_success_total", {"finished_reason": "abort"}) == 1
+    assert (
+        engine.metrics.registry.get_sample_value("lmops:request_success_total", {"finished_reason": "abort"})
+        == 1
+    )
 
 
 def test_queue_full(engine, prompts):

@@ -20,7 +20,9 @@ def test_fixture_is_sensitive_to_context(ref_model, prompts, greedy_reference):
     assert greedy_reference(ref_model, p, 12) != greedy_reference(ref_model, changed, 12)
 
 
-def test_greedy_alone_matches_full_recompute(model_dir, ref_model, prompts, greedy_reference, all_blocks_free):
+def test_greedy_alone_matches_full_recompute(
+    model_dir, ref_model, prompts, greedy_reference, all_blocks_free
+):
     engine = LLMEngine.from_pretrained(model_dir, device="cpu", block_size=16)
     for p in (prompts[0], prompts[9]):
         out = engine.generate([p], GREEDY)[0]
@@ -36,7 +38,9 @@ def references(ref_model, prompts, greedy_reference):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_batch_of_16_mixed_lengths(model_dir, prompts, references, prefix_caching, all_blocks_free):
-    engine = LLMEngine.from_pretrained(model_dir, device="cpu", block_size=16, enable_prefix_caching=prefix_caching)
+    engine = LLMEngine.from_pretrained(
+        model_dir, device="cpu", block_size=16, enable_prefix_caching=prefix_caching
+    )
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == references
     all_blocks_free(engine)
@@ -55,8 +59,9 @@ def test_preemption_with_tiny_pool(model_dir, prompts, references, ref_model, al
 
 def test_preemption_without_prefix_caching(model_dir, prompts, references, ref_model, all_blocks_free):
     per_block = KVPool.bytes_per_block(ref_model.config, 8, torch.float32)
-    engine = LLMEngine.from_pretrained(model_dir, device="cpu", block_size=8, kv_cache_memory=40 * per_block,
-                                       enable_prefix_caching=False)
+    engine = LLMEngine.from_pretrained(
+        model_dir, device="cpu", block_size=8, kv_cache_memory=40 * per_block, enable_prefix_caching=False
+    )
     outs = engine.generate(prompts[6:], GREEDY)
     assert engine.metrics.registry.get_sample_value("lmops:num_preemptions_total") > 0
     assert [o.token_ids for o in outs] == references[6:]
@@ -70,8 +75,11 @@ def test_chunked_prefill(model_dir, prompts, references, all_blocks_free):
     execute = engine.runner.execute
 
     def spy(seqs, num_new, copies=()):
-        chunks.extend(n for s, n in zip(seqs, num_new, strict=True)
-                      if n > 1 and s.num_computed_tokens + n < s.num_tokens)
+        chunks.extend(
+            n
+            for s, n in zip(seqs, num_new, strict=True)
+            if n > 1 and s.num_computed_tokens + n < s.num_tokens
+        )
         assert sum(num_new) <= 20
         return execute(seqs, num_new, copies)
 
@@ -82,9 +90,11 @@ def test_chunked_prefill(model_dir, prompts, references, all_blocks_free):
     all_blocks_free(engine)
 
 
-def test_prefix_cache_hits_and_parity(model_dir, tokenizer, ref_model, prompts, greedy_reference, all_blocks_free):
+def test_prefix_cache_hits_and_parity(
+    model_dir, tokenizer, ref_model, prompts, greedy_reference, all_blocks_free
+):
     base = prompts[12][:70]
-    shared = [base + p[:3 + i] for i, p in enumerate(prompts[:6])]
+    shared = [base + p[: 3 + i] for i, p in enumerate(prompts[:6])]
     refs = [greedy_reference(ref_model, p, 12) for p in shared]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine = LLMEngine.from_pretrained(model_dir, device="cpu", block_size=16)
@@ -153,8 +163,12 @@ def test_paged_logits_equal_contiguous_logits(model_dir, ref_model, prompts):
         ids = out.prompt_token_ids + out.token_ids
         cache = KVCache(ref_model.config, 1, len(ids), "cpu", torch.float32)
         with torch.no_grad():
-            ref = torch.cat([ref_model(torch.tensor([[t]]), positions=torch.tensor([[i]]), cache=cache)[0][0]
-                             for i, t in enumerate(ids)])
+            ref = torch.cat(
+                [
+                    ref_model(torch.tensor([[t]]), positions=torch.tensor([[i]]), cache=cache)[0][0]
+                    for i, t in enumerate(ids)
+                ]
+            )
         for pos, row in seen[seq_id]:
             torch.testing.assert_close(row, ref[pos], atol=1e-5, rtol=0)
             checked += 1

@@ -12,27 +12,30 @@ from lmops.engine import SamplingParams
 from lmops.engine.sampling import apply_penalties, sample
 
 
-@pytest.mark.parametrize(("field", "value", "allowed"), [
-    ("n", 0, ">= 1"),
-    ("n", 1.5, ">= 1"),
-    ("temperature", -0.1, ">= 0"),
-    ("temperature", math.nan, ">= 0"),
-    ("top_p", 0.0, "(0, 1]"),
-    ("top_p", 1.1, "(0, 1]"),
-    ("top_k", -2, "0 / -1"),
-    ("min_p", 1.5, "[0, 1]"),
-    ("presence_penalty", 2.5, "[-2, 2]"),
-    ("frequency_penalty", -3, "[-2, 2]"),
-    ("repetition_penalty", 0, "(0, 2]"),
-    ("max_tokens", 0, ">= 1"),
-    ("stop", ["ok", ""], "non-empty"),
-    ("stop", 5, "non-empty"),
-    ("stop_token_ids", [-1], "token ids"),
-    ("seed", "7", "integer"),
-    ("logprobs", 21, "[0, 20]"),
-    ("logprobs", -1, "[0, 20]"),
-    ("ignore_eos", 1, "bool"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("n", 0, ">= 1"),
+        ("n", 1.5, ">= 1"),
+        ("temperature", -0.1, ">= 0"),
+        ("temperature", math.nan, ">= 0"),
+        ("top_p", 0.0, "(0, 1]"),
+        ("top_p", 1.1, "(0, 1]"),
+        ("top_k", -2, "0 / -1"),
+        ("min_p", 1.5, "[0, 1]"),
+        ("presence_penalty", 2.5, "[-2, 2]"),
+        ("frequency_penalty", -3, "[-2, 2]"),
+        ("repetition_penalty", 0, "(0, 2]"),
+        ("max_tokens", 0, ">= 1"),
+        ("stop", ["ok", ""], "non-empty"),
+        ("stop", 5, "non-empty"),
+        ("stop_token_ids", [-1], "token ids"),
+        ("seed", "7", "integer"),
+        ("logprobs", 21, "[0, 20]"),
+        ("logprobs", -1, "[0, 20]"),
+        ("ignore_eos", 1, "bool"),
+    ],
+)
 def test_invalid_values_name_field_and_range(field, value, allowed):
     with pytest.raises(ValueError) as exc:
         SamplingParams(**{field: value})
@@ -46,8 +49,9 @@ def test_valid_values_and_normalisation():
 
 
 def row(params, generator=None, prompt=(), output=()):
-    return SimpleNamespace(params=params, generator=generator, prompt_token_ids=list(prompt),
-                           output_token_ids=list(output))
+    return SimpleNamespace(
+        params=params, generator=generator, prompt_token_ids=list(prompt), output_token_ids=list(output)
+    )
 
 
 def gen(seed):
@@ -65,8 +69,11 @@ def test_seeded_rows_ignore_batch_mates():
     for _ in range(50):
         alone.append(sample(LOGITS[None], [row(p, alone_gen)]).token_ids[0])
         logits = torch.cat([noise, LOGITS[None], noise])
-        rows = [row(SamplingParams(temperature=0.7))] * 5 + [row(p, batch_gen)] + \
-               [row(SamplingParams(temperature=0))] * 5
+        rows = (
+            [row(SamplingParams(temperature=0.7))] * 5
+            + [row(p, batch_gen)]
+            + [row(SamplingParams(temperature=0))] * 5
+        )
         batched.append(sample(logits, rows).token_ids[5])
     assert alone == batched
     assert len(set(alone)) > 1  # actually random
@@ -88,13 +95,16 @@ def test_temperature_sharpens():
     assert (ids == 0).float().mean() > 0.85  # p(0) = softmax(4 * logits)[0] ~ 0.87
 
 
-@pytest.mark.parametrize(("kw", "allowed"), [
-    ({"top_k": 2}, {0, 1}),
-    ({"top_p": 0.6}, {0, 1}),       # probs 0.50, 0.30, 0.18, ...: 0.5 < 0.6, 0.8 >= 0.6
-    ({"min_p": 0.5}, {0, 1}),       # p(1)/p(0) = 0.61, p(2)/p(0) = 0.37
-    ({"top_k": 1}, {0}),
-    ({"top_p": 0.01}, {0}),
-])
+@pytest.mark.parametrize(
+    ("kw", "allowed"),
+    [
+        ({"top_k": 2}, {0, 1}),
+        ({"top_p": 0.6}, {0, 1}),  # probs 0.50, 0.30, 0.18, ...: 0.5 < 0.6, 0.8 >= 0.6
+        ({"min_p": 0.5}, {0, 1}),  # p(1)/p(0) = 0.61, p(2)/p(0) = 0.37
+        ({"top_k": 1}, {0}),
+        ({"top_p": 0.01}, {0}),
+    ],
+)
 def test_filters_restrict_the_support(kw, allowed):
     g = gen(2)
     rows = [row(SamplingParams(temperature=1.0, **kw), g)] * 3000
@@ -106,11 +116,17 @@ def test_penalties_match_their_definition():
     logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, 0.0]])
     p = SamplingParams(repetition_penalty=1.5, presence_penalty=0.25, frequency_penalty=0.5)
     out = apply_penalties(logits, [row(p, prompt=[0], output=[1, 1, 3])])
-    expected = torch.tensor([[1.0 / 1.5,                      # prompt token: repetition only
-                              -1.0 * 1.5 - 2 * 0.5 - 0.25,    # output twice
-                              2.0,                            # unseen
-                              0.5 / 1.5 - 0.5 - 0.25,         # output once
-                              0.0]])
+    expected = torch.tensor(
+        [
+            [
+                1.0 / 1.5,  # prompt token: repetition only
+                -1.0 * 1.5 - 2 * 0.5 - 0.25,  # output twice
+                2.0,  # unseen
+                0.5 / 1.5 - 0.5 - 0.25,  # output once
+                0.0,
+            ]
+        ]
+    )
     torch.testing.assert_close(out, expected)
     assert torch.equal(apply_penalties(logits, [row(SamplingParams())]), logits)
 
@@ -124,12 +140,14 @@ def test_greedy_takes_penalties_into_account():
 
 def test_logprobs_are_raw_model_logprobs():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 0.0]])
-    rows = [row(SamplingParams(temperature=0, logprobs=2, repetition_penalty=2.0), output=[1]),
-            row(SamplingParams(temperature=0))]
+    rows = [
+        row(SamplingParams(temperature=0, logprobs=2, repetition_penalty=2.0), output=[1]),
+        row(SamplingParams(temperature=0)),
+    ]
     res = sample(logits, rows)
     ref = torch.log_softmax(logits[0], -1)
-    assert res.token_ids == [2, 2]   # the penalty moved greedy off token 1 ...
-    lp = res.logprobs[0]             # ... but logprobs describe the model's own distribution
+    assert res.token_ids == [2, 2]  # the penalty moved greedy off token 1 ...
+    lp = res.logprobs[0]  # ... but logprobs describe the model's own distribution
     assert lp["token_id"] == 2 and lp["logprob"] == pytest.approx(ref[2].item())
     assert list(lp["top"]) == [1, 2] and lp["top"][1] == pytest.approx(ref[1].item())
     assert res.logprobs[1] is None

@@ -60,11 +60,17 @@ def token_boundary_stop(tokenizer, ids: list[int]) -> tuple[str, int]:
     """A 4-char string straddling the boundary between two generated tokens, and its offset."""
     full = tokenizer.decode(ids)
     for i in range(len(ids) - 1):
-        a = tokenizer.decode(ids[:i + 1])
-        b = tokenizer.decode(ids[:i + 2])
-        stop = b[len(a) - 2:len(a) + 2]
-        if (len(a) >= 2 and len(b) - len(a) >= 2 and full.startswith(b) and b.startswith(a)
-                and "\ufffd" not in stop and full.count(stop) == 1):
+        a = tokenizer.decode(ids[: i + 1])
+        b = tokenizer.decode(ids[: i + 2])
+        stop = b[len(a) - 2 : len(a) + 2]
+        if (
+            len(a) >= 2
+            and len(b) - len(a) >= 2
+            and full.startswith(b)
+            and b.startswith(a)
+            and "\ufffd" not in stop
+            and full.count(stop) == 1
+        ):
             return stop, len(a) - 2
     raise AssertionError("no usable token boundary in the greedy continuation")
 
@@ -86,7 +92,7 @@ def test_stop_string_across_token_boundary_is_never_emitted(model_dir, prompts, 
         assert stop[:3] not in streamed[at:], "part of the stop string was streamed"
     assert streamed == full.text[:at]
     # The token ids stop at the token that completed the stop string.
-    assert full.token_ids[:len(final.token_ids)] == final.token_ids
+    assert full.token_ids[: len(final.token_ids)] == final.token_ids
 
 
 def test_stop_token_ids_and_eos(model_dir, prompts):
@@ -95,13 +101,14 @@ def test_stop_token_ids_and_eos(model_dir, prompts):
     full = engine.generate([prompts[7]], base)[0]
     target = full.token_ids[5]
     first = full.token_ids.index(target)
-    out = engine.generate([prompts[7]], SamplingParams(temperature=0, max_tokens=30,
-                                                       stop_token_ids=[target]))[0]
+    out = engine.generate(
+        [prompts[7]], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[target])
+    )[0]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == target
-    assert out.token_ids == full.token_ids[:first + 1]
+    assert out.token_ids == full.token_ids[: first + 1]
     assert out.text == engine.tokenizer.decode(full.token_ids[:first])  # the stop token's text is cut
     eos = LLMEngine(engine.model, engine.tokenizer, eos_token_ids=[target])
     out = eos.generate([prompts[7]], SamplingParams(temperature=0, max_tokens=30))[0]
-    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[: first + 1]
     out = eos.generate([prompts[7]], base)[0]
     assert out.finish_reason == "length" and out.token_ids == full.token_ids
