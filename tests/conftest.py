@@ -101,29 +101,34 @@ def tokenized_project(tmp_path_factory) -> Path:
     return project
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A randomly initialised tiny model directory in the HF Llama layout (no training)."""
+def make_tiny_model_dir(
+    directory: Path, block_size: int = 128, meta: dict | None = None, text: str | None = None
+) -> Path:
+    """A randomly initialised tiny Llama directory in the HF layout the pipeline exports."""
     import json
 
     from lmops.model import Llama, LlamaConfig
     from lmops.tokenizer import save_tokenizer, train_tokenizer
 
-    text = "\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(300))
+    text = text or "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
     tok = train_tokenizer([text], vocab_size=300)
-    directory = tmp_path_factory.mktemp("tiny-model")
-    Llama(
-        LlamaConfig(
-            vocab_size=tok.get_vocab_size(),
-            n_layer=2,
-            n_head=4,
-            n_kv_heads=2,
-            n_embd=64,
-            intermediate_size=128,
-            block_size=128,
-        )
-    ).save_pretrained(directory)
-    save_tokenizer(tok, directory, 128)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        n_layer=2,
+        n_head=4,
+        n_kv_heads=2,
+        n_embd=64,
+        intermediate_size=128,
+        block_size=block_size,
+    )
+    Llama(config).save_pretrained(directory)
+    save_tokenizer(tok, directory, block_size)
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    (directory / "lmops.json").write_text(json.dumps({"run_id": None}))
+    (directory / "lmops.json").write_text(json.dumps(meta or {}))
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))

@@ -3,7 +3,6 @@ the deploy/ scripts with made-up cloud settings (nothing here reaches a cloud)."
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -89,22 +90,4 @@ def kubectl() -> str:
 
 def tiny_model(directory: Path) -> Path:
     """A randomly initialised tiny Llama in the production model layout."""
-    from lmops.model import Llama, LlamaConfig
-    from lmops.tokenizer import save_tokenizer, train_tokenizer
-
-    text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
-    tok = train_tokenizer([text], vocab_size=300)
-    config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        n_layer=2,
-        n_head=4,
-        n_kv_heads=2,
-        n_embd=64,
-        intermediate_size=128,
-        block_size=128,
-    )
-    Llama(config).save_pretrained(directory)
-    save_tokenizer(tok, directory, 128)
-    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    (directory / "lmops.json").write_text("{}")
-    return directory
+    return make_tiny_model_dir(directory)

@@ -18,6 +18,7 @@ import requests
 
 from production_service.app import create_app
 from production_service.config import ServiceConfig
+from tests.conftest import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -26,32 +27,9 @@ CONTEXT = 256
 
 def make_model_dir(directory: Path) -> Path:
     """A randomly initialised tiny Llama in the HF layout, with lmops.json facts."""
-    from lmops.model import Llama, LlamaConfig
-    from lmops.tokenizer import save_tokenizer, train_tokenizer
-
-    text = (
-        SHAKESPEARE.read_text()[:20_000]
-        if SHAKESPEARE.is_file()
-        else "\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(500))
-    )
-    tok = train_tokenizer([text], vocab_size=300)
-    Llama(
-        LlamaConfig(
-            vocab_size=tok.get_vocab_size(),
-            n_layer=2,
-            n_head=4,
-            n_kv_heads=2,
-            n_embd=64,
-            intermediate_size=128,
-            block_size=CONTEXT,
-        )
-    ).save_pretrained(directory)
-    save_tokenizer(tok, directory, CONTEXT)
-    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    (directory / "lmops.json").write_text(
-        json.dumps({"run_id": "run-tiny", "model_name": "lmops-tiny", "model_version": "7"})
-    )
-    return directory
+    text = SHAKESPEARE.read_text()[:20_000] if SHAKESPEARE.is_file() else None
+    meta = {"run_id": "run-tiny", "model_name": "lmops-tiny", "model_version": "7"}
+    return make_tiny_model_dir(directory, block_size=CONTEXT, meta=meta, text=text)
 
 
 @pytest.fixture(scope="session")
