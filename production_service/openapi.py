@@ -122,6 +122,32 @@ def _ref(name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
+def _completion(required: list[str], finish_reasons: list) -> dict:
+    """A completion object (whole, or one streamed chunk)."""
+    choice = {
+        "type": "object",
+        "required": ["index", "text", "logprobs", "finish_reason"],
+        "properties": {
+            "index": {"type": "integer"},
+            "text": {"type": "string"},
+            "logprobs": _ref("Logprobs"),
+            "finish_reason": {"enum": finish_reasons},
+        },
+    }
+    return {
+        "type": "object",
+        "required": required,
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "text_completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": _ref("Usage"),
+        },
+    }
+
+
 _RESPONSE_SCHEMAS = {
     "Error": {
         "type": "object",
@@ -159,54 +185,13 @@ _RESPONSE_SCHEMAS = {
             "text_offset": {"type": "array", "items": {"type": "integer"}},
         },
     },
-    "Completion": {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": "text_completion"},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["index", "text", "logprobs", "finish_reason"],
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "text": {"type": "string"},
-                        "logprobs": _ref("Logprobs"),
-                        "finish_reason": {"enum": ["stop", "length", "abort"]},
-                    },
-                },
-            },
-            "usage": _ref("Usage"),
-        },
-    },
-    "CompletionChunk": {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": "text_completion"},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["index", "text", "logprobs", "finish_reason"],
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "text": {"type": "string"},
-                        "logprobs": _ref("Logprobs"),
-                        "finish_reason": {"enum": ["stop", "length", "abort", None]},
-                    },
-                },
-            },
-            "usage": _ref("Usage"),
-        },
-    },
+    "Completion": _completion(
+        ["id", "object", "created", "model", "choices", "usage"], ["stop", "length", "abort"]
+    ),
+    # A streamed chunk: finish_reason stays null until the choice's last chunk.
+    "CompletionChunk": _completion(
+        ["id", "object", "created", "model", "choices"], ["stop", "length", "abort", None]
+    ),
     "StreamEvent": {
         "type": "object",
         "required": ["data"],
