@@ -251,7 +251,8 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
     model_cfg = LlamaConfig(vocab_size=vocab_size, **mcfg.model_dump())
     model = Llama(model_cfg).to(device)
     opt = make_optimizer(model, cfg, device)
-    print_ = log.info if ddp.main else (lambda *a, **k: None)
+    if not ddp.main:
+        log.setLevel(logging.WARNING)  # one rank reports progress
 
     fp = fingerprint(params, ddp.world, data_dir / "train.bin")
     start_step, history, run_id, tokens_seen = 0, [], None, 0
@@ -261,9 +262,9 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
             state = load_checkpoint(ckpt_dir, model, opt)
             start_step, history, run_id = state["step"], state["history"], state.get("run_id")
             tokens_seen = state["tokens"]
-            print_("resuming from %s at step %d", ckpt_dir, start_step)
+            log.info("resuming from %s at step %d", ckpt_dir, start_step)
         else:
-            print_("ignoring checkpoint in %s: made with other params or data", ckpt_dir)
+            log.info("ignoring checkpoint in %s: made with other params or data", ckpt_dir)
 
     raw_model = model
     if ddp.world > 1:
@@ -334,7 +335,7 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{tps:,.0f}")
         if done % cfg.eval_interval == 0 or done == cfg.max_steps:
             row["val_loss"] = estimate_val_loss(raw_model, val_tokens, cfg, mcfg.block_size, device, autocast)
-            print_("step %d: train %.4f val %.4f", done, row["train_loss"], row["val_loss"])
+            log.info("step %d: train %.4f val %.4f", done, row["train_loss"], row["val_loss"])
         if row is not None and ddp.main:
             history.append(row)
             tracking.log_step(run_id, row)
@@ -375,5 +376,5 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
     write_log(history)
     tracking.log_model(run_id, out_dir)
     tracking.end_run(run_id)
-    print_("model written to %s (run %s)", out_dir, run_id)
+    log.info("model written to %s (run %s)", out_dir, run_id)
     return meta
