@@ -7,6 +7,11 @@ on the same corpus: CPU "baby GPT" 1.88 nats/char = 2.71 bits/byte (about
 3 minutes on a laptop), GPU run 1.47 nats/char = 2.12 bits/byte (one A100).
 The corpus is ASCII, so one character is one byte.
 
+Not a like-for-like comparison: our split is by document (seeded random
+blank-line paragraphs), nanoGPT validates on the file's last 10%. Random
+paragraphs share plays and speakers with training, which makes them easier,
+so read the ratio as an upper bound on how far ahead we are.
+
     python benchmarks/quality.py [--max-steps N] [--out benchmarks/results/quality-cpu.json]
 """
 
