@@ -15,7 +15,10 @@ import openai
 import pytest
 import requests
 
+from tests.conftest import make_tiny_model_dir
 from tests.service.conftest import start_server
+
+LONG_CONTEXT = 2048
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -153,14 +156,17 @@ def test_body_over_the_limit_is_413_through_gunicorn(server):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
-def test_sigterm_drains_in_flight_refuses_new_and_exits_0(model_dir, tmp_path):
+def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path):
+    # A long context keeps the stream in flight for seconds, far longer than the
+    # 0.4 s this test waits around SIGTERM, on a quiet machine as on a busy one.
+    model_dir = make_tiny_model_dir(tmp_path / "long-context", block_size=LONG_CONTEXT)
     server = start_server(model_dir, tmp_path / "drain.log")
     url = urlparse(server.url)
     stream = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
     stream.request(
         "POST",
         "/v1/completions",
-        json.dumps({"prompt": "ROMEO:", "max_tokens": 240, "stream": True, "ignore_eos": True}),
+        json.dumps({"prompt": "ROMEO:", "max_tokens": LONG_CONTEXT - 16, "stream": True, "ignore_eos": True}),
         {"Content-Type": "application/json"},
     )
     response = stream.getresponse()
