@@ -19,6 +19,8 @@ class LmopsCompletionModel(PythonModel):
     def load_context(self, context) -> None:
         self.engine = LLMEngine.from_pretrained(context.artifacts["model_dir"])
 
+    # No type hints on purpose: MLflow 3 derives a signature from them that has no
+    # params schema, and then silently drops the sampling params callers pass.
     def predict(self, context, model_input, params=None) -> list[str]:
         prompts = model_input.iloc[:, 0].tolist() if hasattr(model_input, "iloc") else list(model_input)
         sampling = SamplingParams(**{**PREDICT_DEFAULTS, **(params or {})})
