@@ -73,7 +73,6 @@ def build_random_model(directory: Path, max_len: int) -> Path:
         block_size=max_len,
     )
     Llama(cfg).save_pretrained(directory)
-    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return directory
 
 

@@ -228,7 +228,6 @@ def build_random_model(directory: Path) -> Path:
     save_tokenizer(tok, directory, 256)
     torch.manual_seed(0)
     Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), block_size=256)).save_pretrained(directory)
-    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     (directory / "lmops.json").write_text(json.dumps({"model_name": "random-default-size"}))
     return directory
 

@@ -124,7 +124,6 @@ def make_tiny_model_dir(
     )
     Llama(config).save_pretrained(directory)
     save_tokenizer(tok, directory, block_size)
-    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     (directory / "lmops.json").write_text(json.dumps(meta or {}))
     return directory
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from lmops import atomic, tracking
 from lmops.config import EvaluateConfig, Params
 from lmops.data import PROCESSED_DIR
+from lmops.engine import LLMEngine, SamplingParams
 from lmops.errors import LmopsError
 from lmops.model import Llama, resolve_device
 from lmops.tokenizer import encode, load_tokenizer, token_byte_lengths
@@ -86,11 +87,8 @@ def read_test_split(data_dir: Path = PROCESSED_DIR) -> tuple[str, str]:
     return raw.decode("utf-8"), hashlib.sha256(raw).hexdigest()
 
 
-def sample_completions(model_dir: Path, cfg: EvaluateConfig, device: str) -> list[tuple[str, str]]:
+def sample_completions(engine: LLMEngine, cfg: EvaluateConfig) -> list[tuple[str, str]]:
     """(prompt, completion) pairs from the inference engine, seeded."""
-    from lmops.engine import LLMEngine, SamplingParams
-
-    engine = LLMEngine.from_pretrained(model_dir, device=device, max_num_seqs=len(cfg.prompts))
     sampling = SamplingParams(
         temperature=cfg.temperature,
         top_k=cfg.top_k,
@@ -106,14 +104,14 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
     cfg = params.evaluate
     meta = read_model_meta(model_dir)
     text, test_sha = read_test_split(data_dir)
-    model = Llama.from_pretrained(model_dir, device=resolve_device(params.train.device))
-    tokenizer = load_tokenizer(model_dir)
-    result = score(model, tokenizer, text, cfg)
+    # One load: the engine's model also scores the test split.
+    engine = LLMEngine.from_pretrained(model_dir, device=params.train.device, max_num_seqs=len(cfg.prompts))
+    result = score(engine.model, engine.tokenizer, text, cfg)
     metrics = {f"test_{k}": v for k, v in result.items()}
     metrics["val_loss"] = meta.get("metrics", {}).get("val_loss")
     metrics["test_split_sha256"] = test_sha
 
-    samples = sample_completions(model_dir, cfg, params.train.device)
+    samples = sample_completions(engine, cfg)
     lines = [
         f"# Samples (temperature {cfg.temperature}, top_k {cfg.top_k}, top_p {cfg.top_p}, "
         f"seed {cfg.seed}, run {meta.get('run_id')})",

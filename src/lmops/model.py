@@ -265,7 +265,8 @@ class Llama(nn.Module):
 
     # -- the model directory (Hugging Face Llama layout) ------------------------------
 
-    def save_pretrained(self, directory: str | Path) -> None:
+    def save_pretrained(self, directory: str | Path, generation: dict | None = None) -> None:
+        """config.json, model.safetensors and generation_config.json (special ids + `generation`)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.state_dict().items()}
@@ -273,6 +274,10 @@ class Llama(nn.Module):
             state.pop("lm_head.weight")
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
         (directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2) + "\n")
+        ids = {"bos_token_id": self.config.bos_token_id, "eos_token_id": self.config.eos_token_id}
+        (directory / "generation_config.json").write_text(
+            json.dumps({**ids, **(generation or {})}, indent=2) + "\n"
+        )
 
     @classmethod
     def from_pretrained(

@@ -137,7 +137,6 @@ def log_model(run_id: str, model_dir: Path) -> None:
             code_paths=[str(Path(__file__).parent)],
             pip_requirements=[f"{dist}=={version(dist).split('+')[0]}" for dist in PYFUNC_DEPENDENCIES],
         )
-        mlflow.log_artifact(str(model_dir / "lmops.json"))
 
 
 def end_run(run_id: str, status: str = "FINISHED") -> None:

@@ -7,7 +7,6 @@ flip on float noise) and attention visibly changes them (see test_fixture_is_sen
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -84,7 +83,6 @@ def model_dir(tmp_path_factory):
             if p.dim() == 2:
                 p.normal_(0.0, 0.15)
     model.save_pretrained(d)
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     return d
 
 
