@@ -70,7 +70,7 @@ def build_random_model(directory: Path, max_len: int) -> Path:
         n_kv_heads=2,
         n_embd=192,
         intermediate_size=512,
-        block_size=max_len,
+        max_seq_len=max_len,
     )
     Llama(cfg).save_pretrained(directory)
     return directory

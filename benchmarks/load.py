@@ -227,7 +227,7 @@ def build_random_model(directory: Path) -> Path:
     tok = train_tokenizer([text[i : i + 65536] for i in range(0, len(text), 65536)], vocab_size=4096)
     save_tokenizer(tok, directory, 256)
     torch.manual_seed(0)
-    Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), block_size=256)).save_pretrained(directory)
+    Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), max_seq_len=256)).save_pretrained(directory)
     (directory / "lmops.json").write_text(json.dumps({"model_name": "random-default-size"}))
     return directory
 

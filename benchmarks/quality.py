@@ -45,7 +45,9 @@ def params(max_steps: int) -> dict:
     base["data"].update(source=str(CORPUS), max_bytes=None, sha256=None)
     base["split"].update(val_fraction=0.1, test_fraction=0.05)
     base["tokenizer"].update(vocab_size=1024)
-    base["model"].update(n_layer=4, n_head=6, n_kv_heads=2, n_embd=192, intermediate_size=512, block_size=256)
+    base["model"].update(
+        n_layer=4, n_head=6, n_kv_heads=2, n_embd=192, intermediate_size=512, max_seq_len=256
+    )
     base["train"].update(
         max_steps=max_steps,
         batch_size=16,

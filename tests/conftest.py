@@ -26,7 +26,7 @@ TINY_PARAMS = {
         "n_kv_heads": 2,
         "n_embd": 64,
         "intermediate_size": 128,
-        "block_size": 64,
+        "max_seq_len": 64,
     },
     "train": {
         "max_steps": 20,
@@ -102,7 +102,7 @@ def tokenized_project(tmp_path_factory) -> Path:
 
 
 def make_tiny_model_dir(
-    directory: Path, block_size: int = 128, meta: dict | None = None, text: str | None = None
+    directory: Path, max_seq_len: int = 128, meta: dict | None = None, text: str | None = None
 ) -> Path:
     """A randomly initialised tiny Llama directory in the HF layout the pipeline exports."""
     import json
@@ -120,10 +120,10 @@ def make_tiny_model_dir(
         n_kv_heads=2,
         n_embd=64,
         intermediate_size=128,
-        block_size=block_size,
+        max_seq_len=max_seq_len,
     )
     Llama(config).save_pretrained(directory)
-    save_tokenizer(tok, directory, block_size)
+    save_tokenizer(tok, directory, max_seq_len)
     (directory / "lmops.json").write_text(json.dumps(meta or {}))
     return directory
 

@@ -33,7 +33,7 @@ def _run_stage(name: str, args: argparse.Namespace) -> None:
     elif name == "tokenize":
         from lmops.tokenizer import tokenize
 
-        tokenize(params.tokenizer, params.model.block_size)
+        tokenize(params.tokenizer, params.model.max_seq_len)
     elif name == "train":
         from lmops.train import train
 

@@ -8,6 +8,7 @@ and the expected type, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import difflib
+import logging
 import types
 import typing
 from pathlib import Path
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from lmops.errors import LmopsError
 
 PARAMS_FILE = "params.yaml"
+log = logging.getLogger(__name__)
 
 
 class _Section(BaseModel):
@@ -59,10 +61,21 @@ class ModelConfig(_Section):
     n_kv_heads: PositiveInt = 2
     n_embd: PositiveInt = 192
     intermediate_size: PositiveInt = 512
-    block_size: PositiveInt = 256
+    max_seq_len: PositiveInt = 256
     rope_theta: Annotated[float, Field(gt=0)] = 10000.0
     norm_eps: Annotated[float, Field(gt=0)] = 1e-5
     tie_embeddings: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rename_block_size(cls, raw: Any) -> Any:
+        """`model.block_size` was the context length; `block_size` now means KV-cache pages only."""
+        if isinstance(raw, dict) and "block_size" in raw:
+            if "max_seq_len" in raw:
+                raise ValueError("give model.max_seq_len only (model.block_size is its deprecated name)")
+            log.warning("params: model.block_size is deprecated; rename it to model.max_seq_len")
+            raw = {("max_seq_len" if k == "block_size" else k): v for k, v in raw.items()}
+        return raw
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

@@ -46,11 +46,11 @@ def read_model_meta(model_dir: Path) -> dict:
 
 @torch.no_grad()
 def score(model: Llama, tokenizer, text: str, cfg: EvaluateConfig) -> dict:
-    """NLL over non-overlapping block_size windows of `text` (at most max_batches batches)."""
+    """NLL over non-overlapping max_seq_len windows of `text` (at most max_batches batches)."""
     ids = encode(tokenizer, text)
     if len(ids) < 2:
         raise LmopsError("test split encodes to fewer than 2 tokens; nothing to evaluate")
-    block = min(model.config.block_size, len(ids) - 1)
+    block = min(model.config.max_seq_len, len(ids) - 1)
     n_windows = min((len(ids) - 1) // block, cfg.max_batches * cfg.batch_size)
     byte_len = token_byte_lengths(tokenizer)
     device = next(model.parameters()).device

@@ -56,7 +56,7 @@ class LlamaConfig:
     n_kv_heads: int = 2
     n_embd: int = 192
     intermediate_size: int = 512
-    block_size: int = 256
+    max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
@@ -78,7 +78,7 @@ class LlamaConfig:
             "num_attention_heads": self.n_head,
             "num_key_value_heads": self.n_kv_heads,
             "head_dim": self.head_dim,
-            "max_position_embeddings": self.block_size,
+            "max_position_embeddings": self.max_seq_len,
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.norm_eps,
             "tie_word_embeddings": self.tie_embeddings,
@@ -100,7 +100,7 @@ class LlamaConfig:
             n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
             n_embd=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
-            block_size=hf["max_position_embeddings"],
+            max_seq_len=hf["max_position_embeddings"],
             rope_theta=float(rope_theta),
             norm_eps=hf.get("rms_norm_eps", 1e-5),
             tie_embeddings=hf.get("tie_word_embeddings", False),
@@ -261,7 +261,7 @@ class Llama(nn.Module):
         """Training FLOPs per token (forward + backward), as in the PaLM paper's appendix."""
         c = self.config
         n = self.num_params() - (0 if c.tie_embeddings else c.vocab_size * c.n_embd)
-        return 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
+        return 6 * n + 12 * c.n_layer * c.n_embd * c.max_seq_len
 
     # -- the model directory (Hugging Face Llama layout) ------------------------------
 

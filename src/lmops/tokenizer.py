@@ -104,7 +104,7 @@ def read_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
 
 
 def tokenize(
-    cfg: TokenizerConfig, block_size: int, data_dir: Path = PROCESSED_DIR, out_dir: Path = TOKENIZER_DIR
+    cfg: TokenizerConfig, max_seq_len: int, data_dir: Path = PROCESSED_DIR, out_dir: Path = TOKENIZER_DIR
 ) -> dict:
     """Train on train.txt, write the tokenizer, encode each split to `<split>.bin`."""
     texts = {}
@@ -128,7 +128,7 @@ def tokenize(
             "bytes_per_token": round(n_bytes / len(ids), 4),
         }
     with atomic.directory(out_dir) as tmp:
-        save_tokenizer(tok, tmp, block_size)
+        save_tokenizer(tok, tmp, max_seq_len)
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     log.info("tokenizer: vocab %d, %s", vocab_size, stats["splits"])
     return stats

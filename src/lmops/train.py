@@ -83,7 +83,7 @@ def batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`size` random windows of `block` tokens and their next-token targets."""
     if len(tokens) <= block + 1:
-        raise LmopsError(f"split has {len(tokens)} tokens, fewer than model.block_size + 2 = {block + 2}")
+        raise LmopsError(f"split has {len(tokens)} tokens, fewer than model.max_seq_len + 2 = {block + 2}")
     starts = np.random.default_rng(seed).integers(0, len(tokens) - block - 1, size)
     rows = np.stack([tokens[s : s + block + 1].astype(np.int64) for s in starts])
     xy = torch.from_numpy(rows).to(device)
@@ -271,7 +271,7 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
     )
     peak = measure_peak_flops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     flops_per_token = raw_model.flops_per_token()
-    tokens_per_step = cfg.batch_size * mcfg.block_size * cfg.grad_accum_steps * ddp.world
+    tokens_per_step = cfg.batch_size * mcfg.max_seq_len * cfg.grad_accum_steps * ddp.world
 
     run = None
     if ddp.main:
@@ -302,7 +302,7 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
         loss_sum = 0.0
         for micro in range(cfg.grad_accum_steps):
             x, y = batch(
-                train_tokens, mcfg.block_size, cfg.batch_size, (cfg.seed, step, micro, ddp.rank), device
+                train_tokens, mcfg.max_seq_len, cfg.batch_size, (cfg.seed, step, micro, ddp.rank), device
             )
             sync = micro == cfg.grad_accum_steps - 1 or ddp.world == 1
             with contextlib.nullcontext() if sync else model.no_sync(), autocast:
@@ -331,7 +331,9 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
             }
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{tps:,.0f}")
         if done % cfg.eval_interval == 0 or done == cfg.max_steps:
-            row["val_loss"] = estimate_val_loss(raw_model, val_tokens, cfg, mcfg.block_size, device, autocast)
+            row["val_loss"] = estimate_val_loss(
+                raw_model, val_tokens, cfg, mcfg.max_seq_len, device, autocast
+            )
             log.info("step %d: train %.4f val %.4f", done, row["train_loss"], row["val_loss"])
         if row is not None and ddp.main:
             history.append(row)

@@ -29,7 +29,7 @@ def make_model_dir(directory: Path) -> Path:
     """A randomly initialised tiny Llama in the HF layout, with lmops.json facts."""
     text = SHAKESPEARE.read_text()[:20_000] if SHAKESPEARE.is_file() else None
     meta = {"run_id": "run-tiny", "model_name": "lmops-tiny", "model_version": "7"}
-    return make_tiny_model_dir(directory, block_size=CONTEXT, meta=meta, text=text)
+    return make_tiny_model_dir(directory, max_seq_len=CONTEXT, meta=meta, text=text)
 
 
 @pytest.fixture(scope="session")

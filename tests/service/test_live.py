@@ -159,7 +159,7 @@ def test_body_over_the_limit_is_413_through_gunicorn(server):
 def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path):
     # A long context keeps the stream in flight for seconds, far longer than the
     # 0.4 s this test waits around SIGTERM, on a quiet machine as on a busy one.
-    model_dir = make_tiny_model_dir(tmp_path / "long-context", block_size=LONG_CONTEXT)
+    model_dir = make_tiny_model_dir(tmp_path / "long-context", max_seq_len=LONG_CONTEXT)
     server = start_server(model_dir, tmp_path / "drain.log")
     url = urlparse(server.url)
     stream = http.client.HTTPConnection(url.hostname, url.port, timeout=30)

@@ -67,3 +67,14 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("- just a list\n")
     with pytest.raises(LmopsError, match="expected a mapping"):
         load_params(bad)
+
+
+def test_deprecated_block_size_reads_as_max_seq_len(caplog):
+    params = parse_params({"model": {"block_size": 128}})
+    assert params.model.max_seq_len == 128
+    assert "model.block_size is deprecated" in caplog.text
+
+
+def test_block_size_and_max_seq_len_together_is_an_error():
+    with pytest.raises(LmopsError, match="max_seq_len only"):
+        parse_params({"model": {"block_size": 128, "max_seq_len": 128}})

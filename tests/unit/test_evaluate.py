@@ -21,7 +21,7 @@ def test_uniform_model_scores_log_vocab_nats_per_token():
             n_kv_heads=1,
             n_embd=16,
             intermediate_size=32,
-            block_size=32,
+            max_seq_len=32,
             tie_embeddings=False,
         )
     ).eval()
@@ -41,7 +41,7 @@ def test_max_batches_caps_the_work():
     tok = train_tokenizer([TEXT], vocab_size=300)
     model = Llama(
         LlamaConfig(
-            vocab_size=300, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, block_size=16
+            vocab_size=300, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, max_seq_len=16
         )
     ).eval()
     assert score(model, tok, TEXT, EvaluateConfig(max_batches=2, batch_size=3))["tokens"] == 2 * 3 * 16

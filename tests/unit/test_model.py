@@ -7,7 +7,7 @@ from lmops.errors import LmopsError
 from lmops.model import KVCache, Llama, LlamaConfig
 
 CFG = LlamaConfig(
-    vocab_size=320, n_layer=2, n_head=4, n_kv_heads=2, n_embd=64, intermediate_size=160, block_size=64
+    vocab_size=320, n_layer=2, n_head=4, n_kv_heads=2, n_embd=64, intermediate_size=160, max_seq_len=64
 )
 
 
@@ -35,7 +35,7 @@ def test_kv_cache_decoding_equals_full_forward(model):
     x = torch.randint(0, CFG.vocab_size, (2, 40))
     with torch.no_grad():
         full, _ = model(x)
-        cache = KVCache(CFG, 2, CFG.block_size, "cpu", torch.float32)
+        cache = KVCache(CFG, 2, CFG.max_seq_len, "cpu", torch.float32)
         steps = [model(x[:, :25], positions=torch.arange(25).expand(2, 25), cache=cache)[0]]
         for t in range(25, 40):
             steps.append(model(x[:, t : t + 1], positions=torch.full((2, 1), t), cache=cache)[0])

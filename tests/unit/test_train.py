@@ -10,7 +10,7 @@ from lmops.model import Llama, LlamaConfig
 from lmops.train import batch, load_checkpoint, lr_at, make_optimizer, save_checkpoint
 
 CFG = LlamaConfig(
-    vocab_size=64, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, block_size=8
+    vocab_size=64, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, max_seq_len=8
 )
 
 
@@ -30,7 +30,7 @@ def test_batches_depend_only_on_their_seed():
     x3, _ = batch(tokens, 8, 4, (1, 5, 0, 1), "cpu")  # another rank
     assert torch.equal(x1, x2) and not torch.equal(x1, x3)
     assert torch.equal(y1, x1 + 1)
-    with pytest.raises(LmopsError, match="fewer than model.block_size"):
+    with pytest.raises(LmopsError, match="fewer than model.max_seq_len"):
         batch(tokens[:9], 8, 4, (0,), "cpu")
 
 

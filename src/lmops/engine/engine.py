@@ -11,11 +11,13 @@ import json
 import logging
 import os
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
+from lmops.engine.config import EngineConfig
 from lmops.engine.kv_cache import BlockManager, KVPool
 from lmops.engine.metrics import EngineMetrics, now
 from lmops.engine.runner import ModelRunner
@@ -42,12 +44,6 @@ class PromptTooLongError(ValueError):
     """The prompt leaves no room for a generated token within the model's context."""
 
 
-def positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
-
-
 class LLMEngine:
     """Continuous-batching generation over a paged KV cache for one model.
 
@@ -60,27 +56,24 @@ class LLMEngine:
         self,
         model: Llama,
         tokenizer: Tokenizer,
+        engine_config: EngineConfig | None = None,
         *,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
         eos_token_ids: list[int] | None = None,
     ):
         cfg = model.config
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, cfg
-        self.max_model_len = cfg.block_size
-        self.block_size = positive_int("block_size", block_size)
-        self.max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
-        self.max_num_batched_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.engine_config = engine_config = engine_config or EngineConfig()
+        self.max_model_len = cfg.max_seq_len
+        self.block_size = engine_config.block_size
+        self.max_num_seqs = engine_config.max_num_seqs
+        self.max_num_batched_tokens = engine_config.max_num_batched_tokens
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else [cfg.eos_token_id])
-        num_blocks = self._num_blocks(kv_cache_memory)
-        self.pool = KVPool(cfg, num_blocks, block_size, self.device, self.dtype)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        num_blocks = self._num_blocks(engine_config.kv_cache_memory)
+        self.pool = KVPool(cfg, num_blocks, self.block_size, self.device, self.dtype)
+        self.block_manager = BlockManager(num_blocks, self.block_size, engine_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.pool)
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
@@ -88,7 +81,7 @@ class LLMEngine:
         log.info(
             "engine: %d KV blocks of %d tokens (%.1f MiB), device %s, %s",
             num_blocks,
-            block_size,
+            self.block_size,
             self.pool.nbytes / 2**20,
             self.device,
             self.dtype,
@@ -98,30 +91,26 @@ class LLMEngine:
     def from_pretrained(
         cls,
         model_dir: str | Path,
-        device: str = "auto",
-        dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
+        engine_config: EngineConfig | None = None,
+        **overrides,
     ) -> LLMEngine:
         """Load a model directory (config.json, model.safetensors, tokenizer.json, and
-        generation_config.json for extra EOS ids when present). `device` "auto" = CUDA if
-        present; `dtype` "auto" = bfloat16 on CUDA, float32 on CPU; `kv_cache_memory` in bytes
-        (default: room for max_num_seqs full-length sequences twice over, capped by free memory)."""
+        generation_config.json for extra EOS ids when present) with `engine_config`, any of
+        whose fields `overrides` replace (`from_pretrained(d, device="cpu", block_size=8)`)."""
+        try:
+            ec = replace(engine_config or EngineConfig(), **overrides)
+        except (TypeError, ValueError) as exc:
+            raise LmopsError(f"engine config: {exc}") from None
         d = Path(model_dir)
         if not d.is_dir():
             raise LmopsError(f"{d}: model directory not found")
-        dev = resolve_device(device)
-        if dtype == "auto":
+        dev = resolve_device(ec.device)
+        if ec.dtype == "auto":
             dt = default_dtype(dev)
-        elif isinstance(dtype, torch.dtype):
-            dt = dtype
-        elif dtype in _DTYPES:
-            dt = _DTYPES[dtype]
+        elif ec.dtype in _DTYPES:
+            dt = _DTYPES[ec.dtype]
         else:
-            raise LmopsError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+            raise LmopsError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {ec.dtype!r}")
         tokenizer = load_tokenizer(d)
         model = Llama.from_pretrained(d, dev, dt)
         eos = {model.config.eos_token_id}
@@ -132,16 +121,7 @@ class LLMEngine:
             except (json.JSONDecodeError, AttributeError) as exc:
                 raise LmopsError(f"{gen_cfg}: unreadable generation config ({exc})") from None
             eos |= set(value if isinstance(value, list) else [] if value is None else [value])
-        return cls(
-            model,
-            tokenizer,
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            eos_token_ids=sorted(eos),
-        )
+        return cls(model, tokenizer, ec, eos_token_ids=sorted(eos))
 
     def _num_blocks(self, kv_cache_memory: int | None) -> int:
         per_block = KVPool.bytes_per_block(self.config, self.block_size, self.dtype)

@@ -13,7 +13,8 @@ import queue
 import threading
 from collections import deque
 
-from lmops.engine.engine import LLMEngine, positive_int
+from lmops.engine.config import positive_int
+from lmops.engine.engine import LLMEngine
 from lmops.engine.metrics import now
 from lmops.engine.sampling import SamplingParams
 from lmops.engine.sequence import Request, RequestOutput

@@ -145,7 +145,7 @@ class FusedForward:
                     )
                 )
         device = qkv.device
-        cos, sin = rope_cos_sin(torch.arange(cfg.block_size, device=device), cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_cos_sin(torch.arange(cfg.max_seq_len, device=device), cfg.head_dim, cfg.rope_theta)
         half = cfg.head_dim // 2
         self.cos = cos  # (max_len, D) float32
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), 1)

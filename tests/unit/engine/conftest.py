@@ -75,7 +75,7 @@ def model_dir(tmp_path_factory):
         n_kv_heads=2,
         n_embd=64,
         intermediate_size=128,
-        block_size=MAX_LEN,
+        max_seq_len=MAX_LEN,
     )
     model = Llama(cfg)
     with torch.no_grad():

@@ -159,5 +159,7 @@ def test_model_directory_errors(tmp_path, model_dir):
         LLMEngine.from_pretrained(model_dir, device="cpu", kv_cache_memory=1000)
     with pytest.raises(LmopsError, match="dtype"):
         LLMEngine.from_pretrained(model_dir, device="cpu", dtype="int8")
-    with pytest.raises(ValueError, match="max_num_seqs"):
+    with pytest.raises(LmopsError, match="max_num_seqs must be an integer >= 1"):
         LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=0)
+    with pytest.raises(LmopsError, match="unexpected keyword argument 'max_seqs'"):
+        LLMEngine.from_pretrained(model_dir, device="cpu", max_seqs=4)
