@@ -1,11 +1,22 @@
-# syntax=docker/dockerfile:1
 # lmops inference image: gunicorn serving the promoted model on port 5001.
 #
 #   CPU (default):  docker build -t lmops:dev .
 #   NVIDIA GPU:     docker build --build-arg VARIANT=cuda -t lmops:dev-cuda .
 #
-# VARIANT selects the base image and the torch wheel index together. Python 3.11
-# comes from uv (its version pins the CPython build), so both bases work alike.
+# It carries the serving dependencies only: the exact pins of requirements-serve.lock
+# (lmops[serve]: torch, tokenizers, safetensors, flask, gunicorn, prometheus-client,
+# the skinny MLflow client), then lmops itself. Build arguments:
+#   VARIANT      cpu | cuda: the base image and torch's build (+cpu or +cu128)
+#   TORCH_INDEX  where torch's +cpu/+cu128 wheels are (VARIANT's folder below it);
+#                empty: the pip configuration already offers them (a mirror)
+#   PYTHON       managed: CPython 3.11 downloaded by uv, pinned by uv's version (a mirror
+#                of those builds: --build-arg UV_PYTHON_INSTALL_MIRROR=...);
+#                system: the base's own python3.11
+# Behind a package mirror, give pip its configuration as build secrets, which never
+# land in the image: --secret id=pip.conf,src=<pip.conf> [--secret id=ca.crt,src=<CA bundle>]
+# (the ca.crt secret is at /run/secrets/ca.crt: name it as `cert` in that pip.conf).
+# docs/deploy.md has the recipe; deploy/image_test.sh builds this way, offline.
+#
 # The model in production_service/model (from `make run` or `dvc pull`) is baked in
 # when present; otherwise mount one at /app/production_service/model at run time,
 # or set LMOPS_MODEL_URI (e.g. models:/lmops@champion) and MLFLOW_TRACKING_URI.
@@ -15,29 +26,45 @@ ARG VARIANT=cpu
 FROM ghcr.io/astral-sh/uv:0.9.5 AS uv
 
 FROM debian:12.12-slim AS base-cpu
-ENV PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
-ENV PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-    NVIDIA_VISIBLE_DEVICES=all \
+ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
-# --- build: a virtual environment from the lock file, then lmops itself ---------
+# --- build: a virtual environment from the serving lock, then lmops itself -------
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS build
+ARG VARIANT
+ARG PYTHON=managed
+ARG UV_PYTHON_INSTALL_MIRROR
+ARG TORCH_INDEX=https://download.pytorch.org/whl
 COPY --from=uv /uv /usr/local/bin/uv
 ENV UV_PYTHON_INSTALL_DIR=/opt/python \
-    UV_PYTHON_PREFERENCE=only-managed \
-    UV_NO_CACHE=1
-RUN uv venv --seed --python 3.11 /opt/venv
+    UV_NO_CACHE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# pip comes from the interpreter's own ensurepip: no index needed for it.
+RUN uv venv --python-preference "only-$PYTHON" --python 3.11 /opt/venv \
+    && /opt/venv/bin/python -m ensurepip --default-pip \
+    && mkdir -p /opt/python
 WORKDIR /src
-# torch==2.13.0 in the lock resolves to the +cpu or +cu128 build: PIP_EXTRA_INDEX_URL
-# (set by the base above) offers it and pip prefers the local-version wheel.
-COPY requirements.lock ./
-RUN /opt/venv/bin/pip install --no-cache-dir -r requirements.lock
+# torch==2.13.0 in the lock resolves to the +cpu or +cu128 build (pip prefers the
+# local-version wheel that TORCH_INDEX offers). Serving never compiles C++
+# extensions, so torch's headers, test binaries and protoc go (about 200 MB).
+COPY requirements-serve.lock ./
+RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
+    --mount=type=secret,id=ca.crt \
+    flavour=cpu; if [ "$VARIANT" = cuda ]; then flavour=cu128; fi \
+    && /opt/venv/bin/pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX/$flavour"} \
+       -r requirements-serve.lock \
+    && site=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
+    && rm -rf "$site/torch/include" "$site/torch/bin" "$site/torch/test"
 COPY pyproject.toml README.md ./
 COPY src/ src/
-RUN /opt/venv/bin/pip install --no-cache-dir --no-deps .
+RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
+    --mount=type=secret,id=ca.crt \
+    /opt/venv/bin/pip install --no-deps . \
+    && /opt/venv/bin/pip check
 
 # --- runtime: the environment, the service, the model; non-root ------------------
 # hadolint ignore=DL3006

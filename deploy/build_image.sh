@@ -1,27 +1,42 @@
 #!/usr/bin/env bash
 # Build the lmops image lmops:<tag> after linting the Dockerfile (hadolint).
 #
-#   [GPU=1] [IMAGE_TAG=...] deploy/build_image.sh [--dry-run]
+#   [GPU=1] [IMAGE_TAG=...] [CONTAINER_ENGINE=podman] [CONTEXT=dir] \
+#     deploy/build_image.sh [--dry-run] [-- BUILD-OPTION...]
 #
 # <tag> is IMAGE_TAG or the git commit; GPU=1 builds the CUDA variant, tagged
 # <tag>-cuda. The model in production_service/model is baked in when present.
+# CONTAINER_ENGINE is docker (default) or podman (whose builder then writes the
+# docker format: the OCI one has no HEALTHCHECK). CONTEXT is the build context
+# (default: the repository). Options after `--` go to the build command as they
+# are, e.g. `-- --secret id=pip.conf,src=pip.conf` (docs/deploy.md: behind a mirror).
 # shellcheck source=lib.sh
 source "$(dirname "$0")/lib.sh"
 
-for arg in "$@"; do
-  case "$arg" in
+extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) DRY_RUN=1 ;;
-    *) die "usage: deploy/build_image.sh [--dry-run]" ;;
+    --) shift && extra=("$@") && break ;;
+    *) die "usage: deploy/build_image.sh [--dry-run] [-- BUILD-OPTION...]" ;;
   esac
+  shift
 done
 
 hadolint Dockerfile
+engine=${CONTAINER_ENGINE:-docker}
+context=${CONTEXT:-.}
 variant=cpu
 if truthy "${GPU:-}"; then variant=cuda; fi
-if [ ! -f production_service/model/config.json ]; then
-  echo "warning: no model in production_service/model: the image will need one mounted" \
+case "$engine" in
+  docker) ;;
+  podman) extra=(--format docker "${extra[@]}") ;;
+  *) die "CONTAINER_ENGINE must be docker or podman (got '$engine')" ;;
+esac
+if [ ! -f "$context/production_service/model/config.json" ]; then
+  echo "warning: no model in $context/production_service/model: the image will need one mounted" \
     "at /app/production_service/model, or LMOPS_MODEL_URI (see docs/deploy.md)" >&2
 fi
-run docker build --pull --build-arg "VARIANT=$variant" \
+run "$engine" build --pull --build-arg "VARIANT=$variant" \
   --label "org.opencontainers.image.revision=$(git rev-parse HEAD)" \
-  --tag "lmops:$(image_tag)" .
+  "${extra[@]}" --tag "lmops:$(image_tag)" "$context"

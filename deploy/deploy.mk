@@ -4,10 +4,21 @@
 # Their offline tools (kubectl, hadolint, shellcheck, validators, kfp) come from
 # requirements-dev.lock through `make install`.
 
-.PHONY: image image-push deploy smoke-test kfp-compile kfp-run
+.PHONY: image image-tools image-test image-push deploy smoke-test kfp-compile kfp-run
 
 image: install ## docker build lmops:<commit> (GPU=1: the CUDA variant)
 	deploy/build_image.sh
+
+image-tools: ## apt-get the tools image-test needs: debootstrap, and podman + runc without a docker engine
+	@tools=debootstrap; docker info >/dev/null 2>&1 || tools="$$tools podman runc"; \
+	missing=$$(for tool in $$tools; do command -v $$tool >/dev/null || echo $$tool; done); \
+	if [ -n "$$missing" ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 \
+	    install -y -qq --no-install-recommends $$missing; \
+	fi
+
+image-test: install image-tools ## build the CPU image and serve from it as production does (deploy/image_test.sh)
+	deploy/image_test.sh
 
 image-push: install ## push the image to ACR or ECR (CLOUD=aks|eks|kubeflow)
 	deploy/push_image.sh

@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# Build the CPU image and run it as production does (its own user, read-only root
+# filesystem, a tmpfs /tmp, the port published on 127.0.0.1), twice: with a model
+# baked in, then with another one mounted read-only. Each time: deploy/smoke_test.sh,
+# a completion and a streamed one with the openai client, then SIGTERM: the
+# container must exit 0 within the grace period. `make image-test` runs it (CI too).
+#
+#   [IMAGE_TEST_MODEL=dir] [PYTHON=system|managed] [TORCH_INDEX=url] deploy/image_test.sh
+#
+# The model is a tiny random one (tests/conftest.py), or IMAGE_TEST_MODEL's copy.
+# The engine is docker when its daemon answers, else podman (rootful, runc: crun
+# fails on hybrid cgroup hosts; explicit ulimits, as there is no CAP_SYS_RESOURCE).
+#
+# Offline stand-ins, made here when missing (no registry for base images needed):
+# - the Dockerfile's debian base: debootstrap minbase bookworm plus python3.11, the
+#   interpreter PYTHON=system (the default here) uses; PYTHON=managed downloads one;
+# - its uv image: the uv wheel of the same version from the package index;
+# - pip's configuration on this machine (index URLs, find-links, CA bundle) goes to
+#   the build as secrets, and the local folders it names as read-only build mounts
+#   (podman only); none of it stays in the image. TORCH_INDEX is then empty (the
+#   configuration offers torch's +cpu wheel) unless set.
+# shellcheck source=lib.sh
+source "$(dirname "$0")/lib.sh"
+
+[ $# -eq 0 ] || die "usage: deploy/image_test.sh (settings come from the environment)"
+GRACE=45 # the pods' terminationGracePeriodSeconds; gunicorn's graceful timeout is 30 s
+READY_TIMEOUT=120
+export IMAGE_TAG="image-test"
+image=lmops:$IMAGE_TAG
+containers=()
+cleanup() {
+  local container
+  for container in "${containers[@]}"; do $engine rm --force "$container" >/dev/null 2>&1 || true; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+if docker info >/dev/null 2>&1; then
+  engine=docker
+else
+  engine=podman
+  command -v podman >/dev/null || die "neither a docker engine nor podman: run \`make image-tools\`"
+  printf '[engine]\nruntime = "runc"\n' >"$WORK/containers.conf"
+  export CONTAINERS_CONF="$WORK/containers.conf"
+fi
+ulimits=(--ulimit nofile=20000:20000 --ulimit nproc=32768:32768)
+echo "image-test: using $engine" >&2
+
+# from_image STAGE: the image the Dockerfile's stage STAGE starts from.
+from_image() {
+  awk -v stage="$1" 'toupper($1) == "FROM" && toupper($3) == "AS" && $4 == stage { print $2 }' Dockerfile
+}
+
+# import_rootfs DIR NAME: DIR's files as the image NAME.
+import_rootfs() {
+  tar --numeric-owner -C "$1" -c . | $engine import - "$2" >/dev/null
+  echo "image-test: made the stand-in $2" >&2
+}
+
+debian=$(from_image base-cpu)
+if ! $engine image inspect "$debian" >/dev/null 2>&1; then
+  command -v debootstrap >/dev/null || die "no $debian and no debootstrap: run \`make image-tools\`"
+  # python3.11-venv's dependencies are named too: debootstrap does not resolve them.
+  python=python3.11,python3.11-venv,python3.11-distutils,python3-pip-whl,python3-setuptools-whl
+  debootstrap --variant=minbase --include="$python" bookworm "$WORK/rootfs" \
+    "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" >"$WORK/debootstrap.log" 2>&1 ||
+    { tail -20 "$WORK/debootstrap.log" >&2 && die "debootstrap failed"; }
+  rm -rf "$WORK"/rootfs/var/cache/apt/archives/*.deb "$WORK"/rootfs/var/lib/apt/lists/*
+  import_rootfs "$WORK/rootfs" "$debian"
+  rm -rf "$WORK/rootfs"
+fi
+uv=$(from_image uv)
+if ! $engine image inspect "$uv" >/dev/null 2>&1; then
+  python -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+    --dest "$WORK/uv-wheel" "uv==${uv##*:}"
+  mkdir "$WORK/uv"
+  python - "$WORK"/uv-wheel/uv-*.whl "$WORK/uv" <<'PY'
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    for name in wheel.namelist():
+        if name.endswith((".data/scripts/uv", ".data/scripts/uvx")):
+            target = os.path.join(sys.argv[2], os.path.basename(name))
+            with open(target, "wb") as out:
+                out.write(wheel.read(name))
+            os.chmod(target, 0o755)
+PY
+  import_rootfs "$WORK/uv" "$uv"
+fi
+
+# pip's configuration here, for the build: pip.conf and the CA bundle as secrets.
+build_opts=(--pull=false "${ulimits[@]}" --build-arg "PYTHON=${PYTHON:-system}")
+python - "$WORK/pip.conf" >"$WORK/local-paths" <<'PY'
+"""Write the index settings of `pip config list` (environment last, so it wins) as a
+pip.conf naming the CA bundle where the build's secret puts it; print the local
+paths it refers to, and the CA bundle's path on the last line."""
+import re, subprocess, sys
+listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True)
+settings = {}
+for line in sorted(listing.stdout.splitlines(), key=lambda line: line.startswith(":env:")):
+    match = re.match(r"^(?:global|install|:env:)\.([\w-]+)='(.*)'$", line)
+    if match and match[1] in ("index-url", "extra-index-url", "find-links", "cert"):
+        settings[match[1]] = match[2]
+cert = settings.pop("cert", "")
+if cert:
+    settings["cert"] = "/run/secrets/ca.crt"
+with open(sys.argv[1], "w") as conf:
+    conf.write("[global]\n" + "".join(f"{key} = {value}\n" for key, value in settings.items()))
+for key in ("index-url", "extra-index-url", "find-links"):
+    for value in settings.get(key, "").split():
+        if value.startswith(("file://", "/")):
+            print(value.removeprefix("file://"))
+print(cert)
+PY
+cert=$(tail -1 "$WORK/local-paths")
+if [ "$(wc -c <"$WORK/pip.conf")" -gt 9 ]; then # more than "[global]\n"
+  build_opts+=(--secret "id=pip.conf,src=$WORK/pip.conf" --build-arg "TORCH_INDEX=${TORCH_INDEX-}")
+  if [ -n "$cert" ]; then build_opts+=(--secret "id=ca.crt,src=$cert"); fi
+  while read -r path; do
+    [ -n "$path" ] && [ "$path" != "$cert" ] || continue
+    if [ "$engine" = podman ]; then
+      build_opts+=(--volume "$path:$path:ro")
+    else
+      echo "warning: docker build cannot read $path (pip's configuration names it): use an HTTP mirror" >&2
+    fi
+  done <"$WORK/local-paths"
+elif [ -n "${TORCH_INDEX+set}" ]; then
+  build_opts+=(--build-arg "TORCH_INDEX=$TORCH_INDEX")
+fi
+
+# The build context: the working tree as git sees it, plus a model to bake in.
+make_model() { # make_model DIR NAME: IMAGE_TEST_MODEL's copy or a tiny model, served as NAME
+  if [ -n "${IMAGE_TEST_MODEL:-}" ]; then
+    cp -r "$IMAGE_TEST_MODEL" "$1"
+    python -c 'import json, pathlib, sys
+meta = pathlib.Path(sys.argv[1], "lmops.json")
+data = json.loads(meta.read_text()) if meta.exists() else {}
+meta.write_text(json.dumps({**data, "model_name": sys.argv[2]}))' "$1" "$2"
+  else
+    python -c 'import pathlib, sys
+from tests.conftest import make_tiny_model_dir
+make_tiny_model_dir(pathlib.Path(sys.argv[1]), meta={"model_name": sys.argv[2]})' "$1" "$2"
+  fi
+}
+context="$WORK/context"
+mkdir "$context"
+git ls-files -z --cached --others --exclude-standard |
+  while IFS= read -r -d '' file; do [ ! -e "$file" ] || printf '%s\0' "$file"; done |
+  tar --null -T - -c | tar -x -C "$context"
+make_model "$context/production_service/model" lmops-baked
+make_model "$WORK/mounted-model" lmops-mounted
+
+started=$SECONDS
+CONTAINER_ENGINE=$engine CONTEXT=$context deploy/build_image.sh -- "${build_opts[@]}"
+echo "image-test: built $image in $((SECONDS - started)) s," \
+  "$($engine image inspect --format '{{.Size}}' "$image" | awk '{printf "%.2f GB", $1 / 1e9}')" >&2
+
+# serve NAME [RUN-OPTION...]: run the image as production does, smoke-test it, stop it.
+serve() {
+  local name=$1 container port ready_ms state
+  shift
+  container=lmops-image-test-$$-$name
+  port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  containers+=("$container")
+  local t0
+  t0=$(date +%s%N)
+  $engine run --detach --name "$container" --read-only --tmpfs /tmp:rw,mode=1777 \
+    --publish "127.0.0.1:$port:5001" "${ulimits[@]}" "$@" "$image" >/dev/null
+  until curl --silent --fail --max-time 2 "http://127.0.0.1:$port/ready" >/dev/null; do
+    if [ "$($engine inspect --format '{{.State.Running}}' "$container")" != true ] ||
+      [ $(($(date +%s%N) - t0)) -gt $((READY_TIMEOUT * 1000000000)) ]; then
+      $engine logs "$container" >&2
+      die "$name: the container did not get ready"
+    fi
+    sleep 0.1
+  done
+  ready_ms=$((($(date +%s%N) - t0) / 1000000))
+  echo "image-test: $name: ready $ready_ms ms after \`$engine run\`" >&2
+  [ "$($engine exec "$container" id -u)" = 10001 ] || die "$name: the service does not run as user 10001"
+  deploy/smoke_test.sh "http://127.0.0.1:$port"
+  python - "http://127.0.0.1:$port/v1" "$name" <<'PY'
+import sys
+import openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=60)
+models = [m.id for m in client.models.list().data]
+assert models == [sys.argv[2]], f"serving {models}, not {sys.argv[2]}"
+done = client.completions.create(model=sys.argv[2], prompt="def ", max_tokens=16, temperature=0)
+assert done.choices[0].finish_reason in ("length", "stop") and done.usage.completion_tokens > 0, done
+chunks = list(client.completions.create(model=sys.argv[2], prompt="def ", max_tokens=16, temperature=0, stream=True))
+assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text, "stream and completion differ"
+assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason, chunks[-1]
+print(f"openai client: {done.choices[0].text!r}, streamed in {len(chunks)} chunks")
+PY
+  t0=$SECONDS
+  $engine stop --time "$GRACE" "$container" >/dev/null
+  state=$($engine inspect --format '{{.State.ExitCode}}' "$container")
+  $engine logs "$container" >"$WORK/$name.log" 2>&1
+  [ "$state" = 0 ] || { cat "$WORK/$name.log" >&2 && die "$name: exit status $state after SIGTERM"; }
+  [ $((SECONDS - t0)) -lt "$GRACE" ] || die "$name: took $((SECONDS - t0)) s to stop (grace period: $GRACE s)"
+  echo "image-test: $name: stopped with status 0 in $((SECONDS - t0)) s" >&2
+}
+
+serve baked
+serve mounted --volume "$WORK/mounted-model:/app/production_service/model:ro"
+echo "image-test passed: $image (built and served by $engine)" >&2
