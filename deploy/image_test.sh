@@ -61,7 +61,7 @@ debian=$(from_image base-cpu)
 if ! $engine image inspect "$debian" >/dev/null 2>&1; then
   command -v debootstrap >/dev/null || die "no $debian and no debootstrap: run \`make image-tools\`"
   # python3.11-venv's dependencies are named too: debootstrap does not resolve them.
-  python=python3.11,python3.11-venv,python3.11-distutils,python3-pip-whl,python3-setuptools-whl
+  python=python3.11,python3.11-venv,python3-distutils,python3-pip-whl,python3-setuptools-whl
   debootstrap --variant=minbase --include="$python" bookworm "$WORK/rootfs" \
     "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" >"$WORK/debootstrap.log" 2>&1 ||
     { tail -20 "$WORK/debootstrap.log" >&2 && die "debootstrap failed"; }

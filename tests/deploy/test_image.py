@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tomllib
+from importlib import metadata
 
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from tests.deploy.conftest import REPO, tool
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
+# The pipeline's stack, which the serving image must not carry.
+PIPELINE_ONLY = {"dvc", "mlflow", "transformers", "pandas", "scipy", "pyarrow", "matplotlib", "scikit-learn"}
+# pip freeze leaves these out of requirements.lock; the serve lock pins them itself.
+UNFROZEN = {"pip", "setuptools", "wheel"}
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -60,8 +69,8 @@ def test_image_is_multi_stage_pinned_non_root_and_serves_5001():
         '["gunicorn", "--config", "production_service/gunicorn.conf.py", '
         '"production_service.app:create_app()"]'
     )
-    assert any(op == "COPY" and "requirements.lock" in args for op, args in steps)
-    assert any(op == "RUN" and "-r requirements.lock" in args for op, args in steps)
+    assert any(op == "COPY" and "requirements-serve.lock" in args for op, args in steps)
+    assert any(op == "RUN" and "-r requirements-serve.lock" in args for op, args in steps)
     assert any(op == "COPY" and args.startswith("production_service/") for op, args in runtime)
 
 
@@ -113,7 +122,7 @@ def test_dockerignore_keeps_data_venv_mlflow_db_and_caches_out():
     ]:
         assert dockerignored(path, patterns), f"{path} would be sent to the docker build"
     for path in [
-        "requirements.lock",
+        "requirements-serve.lock",
         "pyproject.toml",
         "README.md",
         "params.yaml",
@@ -133,4 +142,36 @@ def test_everything_the_dockerfile_copies_is_in_the_build_context():
                 assert (REPO / source).exists(), f"COPY {source}: missing"
                 assert not dockerignored(source.rstrip("/"), patterns), (
                     f"COPY {source}: excluded by .dockerignore"
+                )
+
+
+def pins(lock: str) -> dict[str, str]:
+    """name -> version of every `name==version` line."""
+    lines = (REPO / lock).read_text().splitlines()
+    found = [re.match(r"([\w.-]+)==(\S+)$", line) for line in lines if line and not line.startswith("#")]
+    assert all(found), f"{lock}: a line that is not an exact pin"
+    return {canonicalize_name(m[1]): m[2] for m in found}
+
+
+def test_serve_lock_pins_lmops_serve_and_all_it_needs_and_no_pipeline_package():
+    serve, runtime = pins("requirements-serve.lock"), pins("requirements.lock")
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    assert not PIPELINE_ONLY & serve.keys()
+    for line in extra:
+        req = Requirement(line)
+        assert req.specifier.contains(serve.get(canonicalize_name(req.name), "0"), prereleases=True), line
+    for name, version in serve.items():
+        if name in UNFROZEN:
+            continue
+        assert version == runtime.get(name), (
+            f"{name}: {version} here, {runtime.get(name)} in requirements.lock"
+        )
+        dist = metadata.distribution(name)  # .venv holds requirements.lock's versions
+        assert Version(dist.version).public == version, f"{name} {dist.version} is installed, not {version}"
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                pinned = serve.get(canonicalize_name(req.name))
+                assert pinned and req.specifier.contains(pinned, prereleases=True), (
+                    f"{name} needs {req}: requirements-serve.lock pins {pinned}"
                 )

@@ -1,5 +1,5 @@
 """The deploy/ scripts: shellcheck-clean, and each one run in dry-run mode the way
-the Jenkinsfile runs it. In a dry run the cloud tools (az, aws, docker, curl, and
+the Jenkinsfile runs it. In a dry run the cloud tools (az, aws, docker, podman, curl, and
 kubectl or dvc beyond rendering) are stand-ins that fail if called, so the scripts
 must only print those commands, while rendering and validation run for real."""
 
@@ -22,6 +22,15 @@ EKS_LOGIN = "aws eks update-kubeconfig --region eu-west-1 --name test-eks"
 DRY_RUNS = [
     ("build_image.sh", (), {}, ["docker build --pull --build-arg VARIANT=cpu", "--tag lmops:0123abcd ."]),
     ("build_image.sh", (), {"GPU": "true"}, ["--build-arg VARIANT=cuda", "--tag lmops:0123abcd-cuda ."]),
+    (
+        "build_image.sh",
+        ("--", "--secret", "id=pip.conf,src=/etc/pip.conf"),
+        {"CONTAINER_ENGINE": "podman", "CONTEXT": "/tmp/context"},
+        [
+            "podman build --pull --build-arg VARIANT=cpu",
+            "--format docker --secret id=pip.conf,src=/etc/pip.conf --tag lmops:0123abcd /tmp/context",
+        ],
+    ),
     (
         "push_image.sh",
         (),
@@ -119,7 +128,7 @@ def stand_ins(folder: Path, kubectl: str) -> str:
     """A folder of cloud tools that fail when called; kubectl and dvc only render/parse."""
     folder.mkdir(exist_ok=True)
     dvc = tool("dvc")
-    scripts = {name: "exit 97" for name in ("az", "aws", "docker", "curl")}
+    scripts = {name: "exit 97" for name in ("az", "aws", "docker", "podman", "curl")}
     scripts["kubectl"] = f'[ "$1" = kustomize ] && exec {kubectl} "$@"; exit 97'
     scripts["dvc"] = f'[ "$1 $2" = "stage list" ] && exec {dvc} "$@"; exit 97'
     for name, body in scripts.items():
@@ -206,7 +215,8 @@ def test_scripts_pass_shellcheck():
 
 def test_every_script_has_a_dry_run_case():
     runnable = {p.name for p in (REPO / "deploy").glob("*.sh") if p.stat().st_mode & 0o111}
-    assert runnable == {case[0] for case in DRY_RUNS} | {"smoke_test.sh"}
+    # image_test.sh is a test itself (make image-test): it builds and runs the image for real.
+    assert runnable == {case[0] for case in DRY_RUNS} | {"smoke_test.sh", "image_test.sh"}
 
 
 REGISTER = """
