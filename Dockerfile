@@ -49,22 +49,26 @@ RUN uv venv --python-preference "only-$PYTHON" --python 3.11 /opt/venv \
     && mkdir -p /opt/python
 WORKDIR /src
 # torch==2.13.0 in the lock resolves to the +cpu or +cu128 build (pip prefers the
-# local-version wheel that TORCH_INDEX offers). Serving never compiles C++
-# extensions, so torch's headers, test binaries and protoc go (about 200 MB).
+# local-version wheel that TORCH_INDEX offers); pip check: the lock is complete.
+# Serving never compiles C++ extensions, so torch's headers, test binaries and
+# protoc go (about 190 MB; torch_shm_manager stays, torch needs it). lmops itself
+# comes without its dependencies: those of lmops[serve] are the lock's, the
+# pipeline's stay out.
 COPY requirements-serve.lock ./
 RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
     --mount=type=secret,id=ca.crt \
     flavour=cpu; if [ "$VARIANT" = cuda ]; then flavour=cu128; fi \
     && /opt/venv/bin/pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX/$flavour"} \
        -r requirements-serve.lock \
-    && site=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
-    && rm -rf "$site/torch/include" "$site/torch/bin" "$site/torch/test"
+    && /opt/venv/bin/pip check
+RUN torch=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/torch \
+    && rm -rf "$torch/include" "$torch/test" \
+    && find "$torch/bin" -type f ! -name torch_shm_manager -delete
 COPY pyproject.toml README.md ./
 COPY src/ src/
 RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
     --mount=type=secret,id=ca.crt \
-    /opt/venv/bin/pip install --no-deps . \
-    && /opt/venv/bin/pip check
+    /opt/venv/bin/pip install --no-deps .
 
 # --- runtime: the environment, the service, the model; non-root ------------------
 # hadolint ignore=DL3006
@@ -89,3 +93,6 @@ EXPOSE 5001
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('PORT', '5001') + '/health', timeout=4)"]
 CMD ["gunicorn", "--config", "production_service/gunicorn.conf.py", "production_service.app:create_app()"]
+# Last, so that a new commit rebuilds nothing else (deploy/build_image.sh sets it).
+ARG REVISION=unknown
+LABEL org.opencontainers.image.revision=$REVISION

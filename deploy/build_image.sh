@@ -38,5 +38,5 @@ if [ ! -f "$context/production_service/model/config.json" ]; then
     "at /app/production_service/model, or LMOPS_MODEL_URI (see docs/deploy.md)" >&2
 fi
 run "$engine" build --pull --build-arg "VARIANT=$variant" \
-  --label "org.opencontainers.image.revision=$(git rev-parse HEAD)" \
+  --build-arg "REVISION=$(git rev-parse HEAD)" \
   "${extra[@]}" --tag "lmops:$(image_tag)" "$context"

@@ -53,7 +53,8 @@ from_image() {
 
 # import_rootfs DIR NAME: DIR's files as the image NAME.
 import_rootfs() {
-  tar --numeric-owner -C "$1" -c . | $engine import - "$2" >/dev/null
+  tar --numeric-owner -C "$1" -c . | $engine import - "$2" >"$WORK/import.log" 2>&1 ||
+    { cat "$WORK/import.log" >&2 && die "could not import $2"; }
   echo "image-test: made the stand-in $2" >&2
 }
 
@@ -65,7 +66,9 @@ if ! $engine image inspect "$debian" >/dev/null 2>&1; then
   debootstrap --variant=minbase --include="$python" bookworm "$WORK/rootfs" \
     "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" >"$WORK/debootstrap.log" 2>&1 ||
     { tail -20 "$WORK/debootstrap.log" >&2 && die "debootstrap failed"; }
-  rm -rf "$WORK"/rootfs/var/cache/apt/archives/*.deb "$WORK"/rootfs/var/lib/apt/lists/*
+  # What the slim image leaves out too: documentation, manuals, translations, apt's caches.
+  (cd "$WORK/rootfs" && rm -rf usr/share/doc/* usr/share/man/* usr/share/info/* usr/share/locale/* \
+    var/cache/apt/* var/lib/apt/lists/*)
   import_rootfs "$WORK/rootfs" "$debian"
   rm -rf "$WORK/rootfs"
 fi
@@ -92,8 +95,8 @@ build_opts=(--pull=false "${ulimits[@]}" --build-arg "PYTHON=${PYTHON:-system}")
 python - "$WORK/pip.conf" >"$WORK/local-paths" <<'PY'
 """Write the index settings of `pip config list` (environment last, so it wins) as a
 pip.conf naming the CA bundle where the build's secret puts it; print the local
-paths it refers to, and the CA bundle's path on the last line."""
-import re, subprocess, sys
+folders it needs, and the CA bundle's path on the last line."""
+import os, re, subprocess, sys
 listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True)
 settings = {}
 for line in sorted(listing.stdout.splitlines(), key=lambda line: line.startswith(":env:")):
@@ -107,8 +110,9 @@ with open(sys.argv[1], "w") as conf:
     conf.write("[global]\n" + "".join(f"{key} = {value}\n" for key, value in settings.items()))
 for key in ("index-url", "extra-index-url", "find-links"):
     for value in settings.get(key, "").split():
-        if value.startswith(("file://", "/")):
-            print(value.removeprefix("file://"))
+        path = value.removeprefix("file://")
+        if path.startswith("/"):  # an index's files usually lie beside it: mount its parent
+            print(path if key == "find-links" else os.path.dirname(path.rstrip("/")))
 print(cert)
 PY
 cert=$(tail -1 "$WORK/local-paths")
@@ -116,7 +120,7 @@ if [ "$(wc -c <"$WORK/pip.conf")" -gt 9 ]; then # more than "[global]\n"
   build_opts+=(--secret "id=pip.conf,src=$WORK/pip.conf" --build-arg "TORCH_INDEX=${TORCH_INDEX-}")
   if [ -n "$cert" ]; then build_opts+=(--secret "id=ca.crt,src=$cert"); fi
   while read -r path; do
-    [ -n "$path" ] && [ "$path" != "$cert" ] || continue
+    [ -e "$path" ] && [ "$path" != "$cert" ] || continue
     if [ "$engine" = podman ]; then
       build_opts+=(--volume "$path:$path:ro")
     else
@@ -177,7 +181,7 @@ serve() {
   echo "image-test: $name: ready $ready_ms ms after \`$engine run\`" >&2
   [ "$($engine exec "$container" id -u)" = 10001 ] || die "$name: the service does not run as user 10001"
   deploy/smoke_test.sh "http://127.0.0.1:$port"
-  python - "http://127.0.0.1:$port/v1" "$name" <<'PY'
+  python - "http://127.0.0.1:$port/v1" "lmops-$name" <<'PY'
 import sys
 import openai
 client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=60)
