@@ -21,11 +21,10 @@ import numpy as np
 from lmops import atomic
 from lmops.config import DataConfig, SplitConfig
 from lmops.errors import LmopsError
+from lmops.paths import PROCESSED_DIR, RAW_DIR
 
 log = logging.getLogger(__name__)
 
-RAW_DIR = Path("data/raw")
-PROCESSED_DIR = Path("data/processed")
 SPLITS = ("train", "val", "test")
 FILE_HEADER = "# <|file|> "
 _HEADER_RE = re.compile(rf"^(?={re.escape(FILE_HEADER)})", re.MULTILINE)
