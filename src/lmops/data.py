@@ -114,9 +114,9 @@ def cap_documents(docs: Iterable[str], max_bytes: int | None) -> tuple[list[str]
             continue
         if size > max_bytes:
             head = doc.encode("utf-8")[: max_bytes - total]
-            cut = head.rfind(b"\n") + 1 or len(head)
-            if head[:cut].decode("utf-8", errors="ignore").strip():
-                kept.append(head[:cut].decode("utf-8", errors="ignore"))
+            piece = head[: head.rfind(b"\n") + 1 or len(head)].decode("utf-8", errors="ignore")
+            if piece.strip():
+                kept.append(piece)
         return kept, True
     return kept, False
 
