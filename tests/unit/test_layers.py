@@ -1,5 +1,6 @@
-"""The runtime (model, tokenizer, engine) never imports the pipeline: the serving image
-carries neither its code nor its dependencies (DESIGN.md, "Two halves, one direction")."""
+"""The runtime (model, tokenizer, engine, the service) never imports the pipeline: the
+serving image carries neither its code nor its dependencies (DESIGN.md, "Two halves,
+one direction")."""
 
 from __future__ import annotations
 
