@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from lmops.engine import LLMEngine, SamplingParams
+from lmops.engine.config import EngineConfig
 from lmops.model import default_dtype, resolve_device
 from lmops.random_model import random_model_dir
 
@@ -383,7 +384,7 @@ def table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, help="model directory (default: random model of the default size)")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default=EngineConfig.device, help="for both sides (default: %(default)s)")
     ap.add_argument("--quick", action="store_true", help="short run: fewer requests and tokens")
     ap.add_argument(
         "--threads",
