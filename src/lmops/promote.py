@@ -24,12 +24,11 @@ from pathlib import Path
 from lmops import atomic, tracking
 from lmops.config import Params, PromoteConfig
 from lmops.errors import LmopsError
-from lmops.evaluate import METRICS_FILE, evaluate_dir, read_model_meta, read_test_split
-from lmops.train import MODEL_DIR
+from lmops.evaluate import evaluate_dir, read_model_meta, read_test_split
+from lmops.paths import METRICS_FILE, MODEL_DIR, PROMOTION_FILE
 
 log = logging.getLogger(__name__)
 
-PROMOTION_FILE = Path("artifacts/promotion.json")
 METRIC = "test_bits_per_byte"
 # Tests set it to die (SIGKILL) right after @champion moved, before the export.
 FAULT_ENV = "LMOPS_FAULT_SIGKILL_AFTER_ALIAS"
