@@ -24,11 +24,11 @@ DRY_RUNS = [
     ("build_image.sh", (), {"GPU": "true"}, ["--build-arg VARIANT=cuda", "--tag lmops:0123abcd-cuda ."]),
     (
         "build_image.sh",
-        ("--", "--secret", "id=pip.conf,src=/etc/pip.conf"),
+        ("--", "--build-arg", "PYTHON=system"),
         {"CONTAINER_ENGINE": "podman", "CONTEXT": "/tmp/context"},
         [
             "podman build --pull --build-arg VARIANT=cpu",
-            "--format docker --secret id=pip.conf,src=/etc/pip.conf --tag lmops:0123abcd /tmp/context",
+            "--format docker --build-arg PYTHON=system --tag lmops:0123abcd /tmp/context",
         ],
     ),
     (
