@@ -203,6 +203,21 @@ PY
   echo "image-test: $name: stopped with status 0 in $((SECONDS - t0)) s" >&2
 }
 
+# LMOPS_MODEL_URI needs only the skinny MLflow client: resolving one asks the registry
+# (none here: refused) and fails with the service's one-line error, not an ImportError.
+$engine run --rm --read-only --tmpfs /tmp "${ulimits[@]}" --env MLFLOW_TRACKING_URI=http://127.0.0.1:9 \
+  --env MLFLOW_HTTP_REQUEST_MAX_RETRIES=0 "$image" python -c '
+from pathlib import Path
+from lmops.errors import LmopsError
+from production_service.model_source import resolve_model
+try:
+    resolve_model(Path("/nonexistent"), "models:/lmops@champion")
+except LmopsError as exc:
+    print("image-test: LMOPS_MODEL_URI reaches the registry:", str(exc)[:100])
+else:
+    raise SystemExit("resolved a model without a registry")
+' 2>&1 | grep -v systemd >&2
+
 serve baked
 serve mounted --volume "$WORK/mounted-model:/app/production_service/model:ro"
 echo "image-test passed: $image (built and served by $engine)" >&2
