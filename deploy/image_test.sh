@@ -7,7 +7,8 @@
 #
 #   [IMAGE_TEST_MODEL=dir] [PYTHON=system|managed] [TORCH_INDEX=url] deploy/image_test.sh
 #
-# The model is a tiny random one (tests/conftest.py), or IMAGE_TEST_MODEL's copy.
+# The model is a tiny random one (tests/conftest.py), or IMAGE_TEST_MODEL's copy,
+# exported as `lmops promote` exports (lmops.tracking.export).
 # The engine is docker when its daemon answers, else podman (rootful, runc: crun
 # fails on hybrid cgroup hosts; explicit ulimits, as there is no CAP_SYS_RESOURCE).
 #
@@ -132,18 +133,16 @@ elif [ -n "${TORCH_INDEX+set}" ]; then
 fi
 
 # The build context: the working tree as git sees it, plus a model to bake in.
-make_model() { # make_model DIR NAME: IMAGE_TEST_MODEL's copy or a tiny model, served as NAME
-  if [ -n "${IMAGE_TEST_MODEL:-}" ]; then
-    cp -r "$IMAGE_TEST_MODEL" "$1"
-    python -c 'import json, pathlib, sys
-meta = pathlib.Path(sys.argv[1], "lmops.json")
-data = json.loads(meta.read_text()) if meta.exists() else {}
-meta.write_text(json.dumps({**data, "model_name": sys.argv[2]}))' "$1" "$2"
-  else
-    python -c 'import pathlib, sys
+make_model() { # make_model DIR NAME: exported the way promote exports, served as NAME
+  python - "$1" "$2" "${IMAGE_TEST_MODEL:-}" <<'PY'
+import sys, tempfile
+from pathlib import Path
+from lmops.tracking import export
 from tests.conftest import make_tiny_model_dir
-make_tiny_model_dir(pathlib.Path(sys.argv[1]), meta={"model_name": sys.argv[2]})' "$1" "$2"
-  fi
+target, name, source = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+with tempfile.TemporaryDirectory() as tmp:
+    export(Path(source) if source else make_tiny_model_dir(Path(tmp)), target, {"model_name": name})
+PY
 }
 context="$WORK/context"
 mkdir "$context"
