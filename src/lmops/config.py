@@ -65,6 +65,8 @@ class ModelConfig(_Section):
     rope_theta: Annotated[float, Field(gt=0)] = 10000.0
     norm_eps: Annotated[float, Field(gt=0)] = 1e-5
     tie_embeddings: bool = True
+    # Training-only regularisation (attention weights, residual branches); off in eval and export.
+    dropout: Fraction = 0.0
 
     @model_validator(mode="before")
     @classmethod
@@ -103,6 +105,10 @@ class TrainConfig(_Section):
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
     eval_interval: PositiveInt = 250
     eval_batches: PositiveInt = 10
+    # Export (and register) the weights with the lowest validation loss seen, not the last ones.
+    keep_best: bool = True
+    # Stop after this many evaluations without a lower validation loss; null = never stop early.
+    early_stopping_patience: PositiveInt | None = None
     checkpoint_interval: PositiveInt = 250
     log_interval: PositiveInt = 10
     threads: Annotated[int, Field(ge=0)] = 0  # 0 = torch default

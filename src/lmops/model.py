@@ -60,6 +60,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    dropout: float = 0.0  # training only: attention weights and both residual branches
     bos_token_id: int = 1
     eos_token_id: int = 2
 
@@ -84,6 +85,7 @@ class LlamaConfig:
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu",
             "attention_bias": False,
+            "attention_dropout": self.dropout,
             "mlp_bias": False,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
@@ -104,6 +106,7 @@ class LlamaConfig:
             rope_theta=float(rope_theta),
             norm_eps=hf.get("rms_norm_eps", 1e-5),
             tie_embeddings=hf.get("tie_word_embeddings", False),
+            dropout=hf.get("attention_dropout", 0.0),
             bos_token_id=hf.get("bos_token_id", 1),
             eos_token_id=hf.get("eos_token_id", 2),
         )
@@ -145,10 +148,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+) -> torch.Tensor:
     """Plain causal self-attention over whole sequences; (B, T, H, D) in and out."""
     y = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        dropout_p=dropout_p,
+        is_causal=True,
+        enable_gqa=True,
     )
     return y.transpose(1, 2)
 
@@ -161,14 +171,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
 
     def forward(self, x, cos, sin, cache: AttentionCache | None):
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, self.n_head, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
-        y = causal_attention(q, k, v) if cache is None else cache.attend(self.layer, q, k, v)
-        return self.o_proj(y.reshape(B, T, -1))
+        if cache is None:
+            y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
+        else:
+            y = cache.attend(self.layer, q, k, v)
+        return F.dropout(self.o_proj(y.reshape(B, T, -1)), self.dropout, self.training)
 
 
 class MLP(nn.Module):
@@ -177,9 +191,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return F.dropout(y, self.dropout, self.training)
 
 
 class DecoderLayer(nn.Module):
