@@ -111,6 +111,16 @@ def log_params_once(params: Params, run_id: str, extra: dict) -> None:
         c.log_batch(run_id, params=batch[i : i + 100])
 
 
+def log_data_report(run_id: str, path: Path = Path("artifacts/data_report.json")) -> None:
+    """The data checks of the corpus this run trains on (written by `lmops split`), beside its numbers."""
+    if not path.is_file():
+        return
+    report = json.loads(path.read_text())
+    client().log_dict(run_id, report, "data_report.json")
+    counts = ("documents", "bytes", "empty_documents_dropped", "duplicates_merged")
+    log_metrics(run_id, {f"data_{k}": report.get(k) for k in counts})
+
+
 def log_metrics(run_id: str, metrics: dict[str, float | None], step: int = 0) -> None:
     Metric = _mlflow().entities.Metric
     now = int(time.time() * 1000)
