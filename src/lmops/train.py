@@ -379,7 +379,7 @@ def _loop(run: Run) -> None:
             progress.run_id,
             extra={"num_params": run.model.num_params(), "world_size": ddp.world, "device": run.device.type},
         )
-        tracking.log_data_report(run_id)
+        tracking.log_data_report(progress.run_id)
     fault_step = int(os.environ.get(FAULT_ENV, "-1"))
     run.forward.train()
     bar = tqdm(
