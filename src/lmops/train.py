@@ -5,12 +5,20 @@ Determinism is by construction: the batch of (step, micro-step, rank) is drawn
 from an RNG seeded with exactly those numbers, so "data position" is just the
 step counter, and a run killed at any point and resumed from its last
 checkpoint replays the same batches and ends with the same weights.
+
+The exported model is the best one seen, not the last (`train.keep_best`): the
+lowest validation loss at any evaluation, whose weights ride along in every
+checkpoint so resume picks the same step; `train.early_stopping_patience` ends
+the run once validation has stopped improving.
+
+Structure: `_setup` builds a `Run` (everything the run works with) and its
+`Progress` (what a checkpoint saves); `_loop` calls `_train_step`, `_evaluate`
+and `_checkpoint`; `_finish` exports and closes the MLflow run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -23,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from lmops import atomic, tracking
+from lmops.checkpoint import fingerprint, load_checkpoint, load_weights, save_checkpoint, weights_of
 from lmops.config import Params, TrainConfig
 from lmops.data import PROCESSED_DIR
 from lmops.errors import LmopsError
@@ -106,105 +114,6 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return 2 * n**3 * reps / (time.perf_counter() - t0)
-
-
-def fingerprint(params: Params, world: int, train_bin: Path) -> str:
-    """What a checkpoint must match to be resumed: config, world size and the exact data."""
-    h = hashlib.sha256(
-        json.dumps(
-            {"model": params.model.model_dump(), "train": params.train.model_dump(), "world": world},
-            sort_keys=True,
-        ).encode()
-    )
-    h.update(hashlib.sha256(train_bin.read_bytes()).digest())
-    return h.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def weights_of(model: Llama) -> dict[str, torch.Tensor]:
-    """CPU copies of the weights, without the tied lm_head (safetensors refuses shared tensors)."""
-    return {
-        k: v.detach().to("cpu", copy=True).contiguous()
-        for k, v in model.state_dict().items()
-        if not (model.config.tie_embeddings and k == "lm_head.weight")
-    }
-
-
-def load_weights(model: Llama, weights: dict[str, torch.Tensor]) -> None:
-    weights = dict(weights)
-    if model.config.tie_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    device = next(model.parameters()).device
-    model.load_state_dict({k: v.to(device) for k, v in weights.items()})
-
-
-def save_checkpoint(
-    ckpt_dir: Path,
-    model: Llama,
-    opt: torch.optim.Optimizer,
-    state: dict,
-    best: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """Weights, optimizer, RNG, `state` and (keep_best) the best weights so far, atomically."""
-    with atomic.directory(ckpt_dir) as tmp:
-        files = {"model.safetensors": weights_of(model)}
-        if best is not None:
-            files["best.safetensors"] = best
-        opt_state = opt.state_dict()
-        tensors = {"rng.torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            tensors["rng.cuda"] = torch.cuda.get_rng_state()
-        for idx, slots in opt_state["state"].items():
-            for name, value in slots.items():
-                tensors[f"optim.{idx}.{name}"] = value.detach().cpu().contiguous()
-        files["optimizer.safetensors"] = tensors
-        for name, content in files.items():
-            save_file(content, str(tmp / name))
-        state = {
-            **state,
-            "param_groups": opt_state["param_groups"],
-            "sha256": {f: _sha256(tmp / f) for f in files},
-        }
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
-
-
-def load_checkpoint(ckpt_dir: Path, model: Llama, opt: torch.optim.Optimizer) -> dict:
-    """Restore weights, optimizer and RNG; a damaged checkpoint is an error, never ignored.
-
-    Returns the saved state, with the best weights so far under "best" (None when absent).
-    """
-    hint = f"delete {ckpt_dir} to train from scratch"
-    try:
-        state = json.loads((ckpt_dir / "state.json").read_text())
-        for name, digest in state["sha256"].items():
-            if _sha256(ckpt_dir / name) != digest:
-                raise LmopsError(
-                    f"checkpoint {ckpt_dir}: {name} is corrupt or truncated (sha256 mismatch); {hint}"
-                )
-        weights = load_file(str(ckpt_dir / "model.safetensors"))
-        tensors = load_file(str(ckpt_dir / "optimizer.safetensors"))
-        best = (
-            load_file(str(ckpt_dir / "best.safetensors")) if "best.safetensors" in state["sha256"] else None
-        )
-    except LmopsError:
-        raise
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
-        raise LmopsError(f"checkpoint {ckpt_dir} is unreadable ({exc}); {hint}") from None
-    load_weights(model, weights)
-    device = next(model.parameters()).device
-    slots: dict[int, dict] = {}
-    for key, value in tensors.items():
-        if key.startswith("optim."):
-            _, idx, name = key.split(".", 2)
-            slots.setdefault(int(idx), {})[name] = value if name == "step" else value.to(device)
-    opt.load_state_dict({"state": slots, "param_groups": state["param_groups"]})
-    torch.set_rng_state(tensors["rng.torch"])
-    if "rng.cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng.cuda"])
-    return {**state, "best": best}
 
 
 def make_optimizer(model: Llama, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:

@@ -5,19 +5,11 @@ import numpy as np
 import pytest
 import torch
 
+from lmops.checkpoint import load_checkpoint, save_checkpoint, weights_of
 from lmops.config import TrainConfig
 from lmops.errors import LmopsError
 from lmops.model import Llama, LlamaConfig
-from lmops.train import (
-    Progress,
-    batch,
-    load_checkpoint,
-    lr_at,
-    make_optimizer,
-    measure_peak_flops,
-    save_checkpoint,
-    weights_of,
-)
+from lmops.train import Progress, batch, lr_at, make_optimizer, measure_peak_flops
 
 CFG = LlamaConfig(
     vocab_size=64, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, max_seq_len=8
