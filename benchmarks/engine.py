@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -36,8 +37,9 @@ from pathlib import Path
 import torch
 
 from lmops.engine import LLMEngine, SamplingParams
-from lmops.model import Llama, LlamaConfig, default_dtype, resolve_device
-from lmops.tokenizer import save_tokenizer, train_tokenizer
+from lmops.engine.config import EngineConfig
+from lmops.model import default_dtype, resolve_device
+from lmops.random_model import random_model_dir
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -60,20 +62,7 @@ def build_random_model(directory: Path, max_len: int) -> Path:
             for _ in range(20000)
         ]
         texts = [" ".join(rng.choice(words) for _ in range(5000)) for _ in range(60)]
-    tok = train_tokenizer(texts, vocab_size=4096)
-    save_tokenizer(tok, directory, max_len)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        n_layer=4,
-        n_head=6,
-        n_kv_heads=2,
-        n_embd=192,
-        intermediate_size=512,
-        max_seq_len=max_len,
-    )
-    Llama(cfg).save_pretrained(directory)
-    return directory
+    return random_model_dir(directory, texts, 4096, max_len, seed=0)
 
 
 class HF:
@@ -395,7 +384,7 @@ def table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, help="model directory (default: random model of the default size)")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default=EngineConfig.device, help="for both sides (default: %(default)s)")
     ap.add_argument("--quick", action="store_true", help="short run: fewer requests and tokens")
     ap.add_argument(
         "--threads",
@@ -449,8 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
     }
-    if device.type == "cpu":
-        res["note"] = "CPU shared with other jobs while measured: numbers are noisy"
+    load_before = os.getloadavg()  # 1-minute averages: was anything else running?
     res["A"] = workload_a(engine, hf, min(128, ctx - new), new, repeats=2 if q else 3)
     n_b = 16 if q else 64
     one_by_one = args.hf_one_by_one or (4 if q else n_b)
@@ -459,6 +447,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     res["C"] = workload_c(model_dir, args.device, 8 if q else 32, min(512, ctx - 16 - 16), 16, 16)
     res["floor"] = decode_floor(engine, res["A"].pop("prompt"), res["A"]["engine_step_ms"])
+    res["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     print(table(res))
     out = args.out or RESULTS / f"engine-{device.type}{'-quick' if q else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,13 +23,11 @@ import numpy as np
 from lmops import atomic
 from lmops.config import DataConfig, SplitConfig
 from lmops.errors import LmopsError
+from lmops.paths import DATA_REPORT_FILE, PROCESSED_DIR, RAW_DIR
 from lmops.sources import STDLIB, SourceFile, list_files, read_file, stdlib_origin
 
 log = logging.getLogger(__name__)
 
-RAW_DIR = Path("data/raw")
-PROCESSED_DIR = Path("data/processed")
-REPORT_PATH = Path("artifacts/data_report.json")
 SPLITS = ("train", "val", "test")
 _LINE_RE = re.compile(r"[^\n]*\n|[^\n]+$")
 
@@ -116,9 +114,9 @@ def cap_documents(docs: Iterable[str], max_bytes: int | None) -> tuple[list[str]
             continue
         if size > max_bytes:
             head = doc.encode("utf-8")[: max_bytes - total]
-            cut = head.rfind(b"\n") + 1 or len(head)
-            if head[:cut].decode("utf-8", errors="ignore").strip():
-                kept.append(head[:cut].decode("utf-8", errors="ignore"))
+            piece = head[: head.rfind(b"\n") + 1 or len(head)].decode("utf-8", errors="ignore")
+            if piece.strip():
+                kept.append(piece)
         return kept, True
     return kept, False
 
@@ -262,7 +260,7 @@ def split(
     max_seq_len: int,
     raw_dir: Path = RAW_DIR,
     out_dir: Path = PROCESSED_DIR,
-    report_path: Path = REPORT_PATH,
+    report_path: Path = DATA_REPORT_FILE,
 ) -> dict:
     """Write the three splits and the data report; stop before writing anything
     when a split would be empty or too small to train on."""

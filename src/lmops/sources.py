@@ -98,7 +98,7 @@ def list_files(source: str) -> list[tuple[str, Loader]]:
         elif fs.isdir(path):
             root, paths, what = path, fs.find(path), f"directory {source} has no files"
         elif fs.isfile(path):
-            root, paths, what = posixpath.dirname(path), [path], ""
+            root, paths, what = None, [path], ""  # named explicitly: read even if a dot file
         else:
             raise LmopsError(f"data.source: no such file: {source}")
     except ImportError as exc:
@@ -108,7 +108,8 @@ def list_files(source: str) -> list[tuple[str, Loader]]:
         ) from None
     except (OSError, ValueError) as exc:
         raise LmopsError(f"data.source: could not read {source}: {exc}") from None
-    paths = sorted(p for p in paths if not _hidden(posixpath.relpath(p, root or "/")))
+    if root is not None:
+        paths = sorted(p for p in paths if not _hidden(posixpath.relpath(p, root or "/")))
     if not paths:
         raise LmopsError(f"data.source: {what}")
 

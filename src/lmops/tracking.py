@@ -8,25 +8,27 @@ model directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from lmops import atomic
 from lmops.config import MlflowConfig, Params
 from lmops.errors import LmopsError
+from lmops.paths import DATA_REPORT_FILE
 
 log = logging.getLogger(__name__)
 
 PYFUNC_FILE = Path(__file__).with_name("mlflow_pyfunc.py")
 MODEL_ARTIFACT = "model"
 PYFUNC_DEPENDENCIES = ("torch", "numpy", "tokenizers", "safetensors", "prometheus-client")
-# Sampling defaults of the pyfunc's predict(); its signature declares them as params.
-PREDICT_DEFAULTS = {"max_tokens": 64, "temperature": 0.8, "top_k": 50, "top_p": 0.95, "seed": 1337}
+PREDICT_MAX_TOKENS = 64
 
 
 def _mlflow():
@@ -36,20 +38,45 @@ def _mlflow():
     return mlflow
 
 
+def tracking_uri(cfg: MlflowConfig) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
+
+
+@contextlib.contextmanager
+def store_errors(uri: str) -> Iterator[None]:
+    """Turn MLflow store failures into one-line `LmopsError`s.
+
+    A store locked by another process (sqlite) is already waited on: MLflow sets
+    SQLite's busy timeout to 20 s, which retries until the lock is released. Past
+    that, MLflow logs the SQLAlchemy traceback and raises; the user gets one line.
+    """
+    mlflow = _mlflow()
+    if not log.isEnabledFor(logging.DEBUG):  # `lmops -v` still shows MLflow's traceback
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+    try:
+        yield
+    except mlflow.exceptions.MlflowException as exc:
+        first = str(exc.message).strip().splitlines()[0] if str(exc.message).strip() else exc.error_code
+        if "database is locked" in first:
+            raise LmopsError(
+                f"MLflow tracking store {uri} is locked by another process (still locked after "
+                "20 s): run the command again when it is free"
+            ) from None
+        raise LmopsError(f"MLflow tracking at {uri}: {first}") from None
+
+
 def configure(cfg: MlflowConfig) -> str:
     """Point MLflow at the tracking store; return the experiment id (created if needed)."""
     mlflow = _mlflow()
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
+    uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
-    try:
+    with store_errors(uri):
         exp = mlflow.get_experiment_by_name(cfg.experiment)
         if exp is not None:
             return exp.experiment_id
         local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
         location = Path(cfg.artifact_location).resolve().as_uri() if local else None
         return mlflow.create_experiment(cfg.experiment, artifact_location=location)
-    except mlflow.exceptions.MlflowException as exc:
-        raise LmopsError(f"MLflow tracking at {uri}: {exc.message}") from None
 
 
 def client():
@@ -111,7 +138,7 @@ def log_params_once(params: Params, run_id: str, extra: dict) -> None:
         c.log_batch(run_id, params=batch[i : i + 100])
 
 
-def log_data_report(run_id: str, path: Path = Path("artifacts/data_report.json")) -> None:
+def log_data_report(run_id: str, path: Path = DATA_REPORT_FILE) -> None:
     """The data checks of the corpus this run trains on (written by `lmops split`), beside its numbers."""
     if not path.is_file():
         return
@@ -132,12 +159,25 @@ def log_step(run_id: str, row: dict) -> None:
     log_metrics(run_id, {k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
 
 
+def predict_defaults(model_dir: Path) -> dict:
+    """The pyfunc's predict() params and their defaults (its logged signature declares them):
+    the model's own sampling (generation_config.json) and PREDICT_MAX_TOKENS new tokens."""
+    from lmops.engine import SamplingParams
+    from lmops.model import read_generation_config
+
+    sampling = SamplingParams.from_generation_config(
+        read_generation_config(model_dir), max_tokens=PREDICT_MAX_TOKENS
+    )
+    keys = ("max_tokens", "temperature", "top_k", "top_p", "seed")
+    return {k: getattr(sampling, k) for k in keys if getattr(sampling, k) is not None}
+
+
 def log_model(run_id: str, model_dir: Path) -> None:
     """Log the model directory as a pickle-free pyfunc (models from code)."""
     from importlib.metadata import version
 
     mlflow = _mlflow()
-    signature = mlflow.models.infer_signature(["def "], ["completion"], params=PREDICT_DEFAULTS)
+    signature = mlflow.models.infer_signature(["def "], ["completion"], params=predict_defaults(model_dir))
     with mlflow.start_run(run_id=run_id):
         mlflow.pyfunc.log_model(
             signature=signature,
@@ -175,11 +215,15 @@ def download_model_dir(model_uri: str, dst: Path) -> Path:
 
 
 def champion_version(name: str, alias: str):
+    """The version `alias` points at; None only when the model or the alias does not
+    exist (any other failure, e.g. a locked store, is raised, never read as "no champion")."""
     mlflow = _mlflow()
     try:
         return client().get_model_version_by_alias(name, alias)
-    except mlflow.exceptions.MlflowException:
-        return None
+    except mlflow.exceptions.MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
 
 
 def logged_model_uri(run_id: str) -> str:
@@ -212,9 +256,16 @@ def register(name: str, run_id: str, tags: dict[str, str]):
 
 
 def export(model_dir: Path, target: Path, meta: dict) -> None:
-    """Copy the model directory to `target` atomically, with registry facts in lmops.json."""
+    """Copy the model directory to `target` atomically, with registry facts in lmops.json.
+
+    Contents only (`copyfile`, not `copytree`'s copy of modes): the export gets the
+    ordinary modes of the umask even when the source (a private temporary download,
+    an older export) is 0600/0700, so a container user can read a baked-in model.
+    """
     with atomic.directory(target) as tmp:
-        shutil.copytree(model_dir, tmp, dirs_exist_ok=True)
+        for src in model_dir.iterdir():
+            if src.is_file():
+                shutil.copyfile(src, tmp / src.name)
         lmops_json = tmp / "lmops.json"
         merged = {**json.loads(lmops_json.read_text()), **meta}
         lmops_json.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")

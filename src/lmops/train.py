@@ -36,24 +36,13 @@ from tqdm import tqdm
 from lmops import atomic, tracking
 from lmops.checkpoint import fingerprint, load_checkpoint, load_weights, save_checkpoint, weights_of
 from lmops.config import Params, TrainConfig
-from lmops.data import PROCESSED_DIR
 from lmops.errors import LmopsError
 from lmops.model import MODEL_FILES, Llama, LlamaConfig, resolve_device
-from lmops.tokenizer import TOKENIZER_DIR, read_tokens
+from lmops.paths import CHECKPOINT_DIR, MANIFEST_FILE, MODEL_DIR, PROCESSED_DIR, TOKENIZER_DIR, TRAIN_LOG_FILE
+from lmops.tokenize import read_tokens
 
 log = logging.getLogger(__name__)
 
-MODEL_DIR = Path("artifacts/model")
-CHECKPOINT_DIR = Path("artifacts/checkpoints")
-LOG_FILE = Path("artifacts/plots/train_log.csv")
-# Sampling defaults HF runtimes read from generation_config.json.
-GENERATION_DEFAULTS = {
-    "do_sample": True,
-    "temperature": 0.8,
-    "top_k": 50,
-    "top_p": 0.95,
-    "max_new_tokens": 128,
-}
 LOG_COLUMNS = ("step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_sec", "mfu")
 # Fault injection for the resume test: SIGKILL ourselves right after this step.
 FAULT_ENV = "LMOPS_FAULT_SIGKILL_AFTER_STEP"
@@ -140,7 +129,7 @@ def estimate_val_loss(model, tokens, cfg: TrainConfig, block: int, device, autoc
     return float(np.mean(losses))
 
 
-def write_log(rows: list[dict], path: Path = LOG_FILE) -> None:
+def write_log(rows: list[dict], path: Path = TRAIN_LOG_FILE) -> None:
     lines = [",".join(LOG_COLUMNS)]
     lines += [",".join("" if r.get(c) is None else f"{r[c]:.6g}" for c in LOG_COLUMNS) for r in rows]
     atomic.write_text(path, "\n".join(lines) + "\n")
@@ -152,7 +141,7 @@ def export_model(model: Llama, directory: Path, meta: dict) -> None:
         if not (TOKENIZER_DIR / name).is_file():
             raise LmopsError(f"{TOKENIZER_DIR / name} not found: run `lmops tokenize` first")
     with atomic.directory(directory) as tmp:
-        model.save_pretrained(tmp, generation=GENERATION_DEFAULTS)
+        model.save_pretrained(tmp)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (tmp / name).write_bytes((TOKENIZER_DIR / name).read_bytes())
         (tmp / "lmops.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -231,7 +220,6 @@ def _setup(params: Params, device: torch.device, ddp: Dist, data_dir: Path, ckpt
     if not stats_path.is_file():
         raise LmopsError(f"{stats_path} not found: run `lmops tokenize` first")
     vocab_size = json.loads(stats_path.read_text())["vocab_size"]
-    manifest_path = Path("data/raw/manifest.json")
     torch.manual_seed(params.train.seed)  # identical initial weights on every rank
     model = Llama(LlamaConfig(vocab_size=vocab_size, **params.model.model_dump())).to(device)
     if not ddp.main:
@@ -252,7 +240,7 @@ def _setup(params: Params, device: torch.device, ddp: Dist, data_dir: Path, ckpt
         ),
         fingerprint=fingerprint(params, ddp.world, data_dir / "train.bin"),
         ckpt_dir=ckpt_dir,
-        manifest=json.loads(manifest_path.read_text()) if manifest_path.is_file() else {},
+        manifest=json.loads(MANIFEST_FILE.read_text()) if MANIFEST_FILE.is_file() else {},
         progress=Progress(),
     )
     _resume(run)

@@ -87,6 +87,7 @@ def test_directory_and_globs_read_sorted_files(tmp_path):
     names = ["a.md", "b.txt", "sub/c.txt", "sub/deeper/d.txt", "sub/e.py"]
     assert manifest["files"] == [str(corpus / n) for n in names] and manifest["document_unit"] == "file"
     assert docs(tmp_path) == [f"text of {n}\n\n" for n in names]
+    assert get(tmp_path, corpus / ".hidden.txt")["files"] == [str(corpus / ".hidden.txt")]  # named: read
     manifest = get(tmp_path, corpus / "**" / "*.txt")
     assert manifest["files"] == [str(corpus / n) for n in ("b.txt", "sub/c.txt", "sub/deeper/d.txt")]
     manifest = get(tmp_path, (corpus / "sub" / "*.txt").as_uri().replace("%2A", "*"))  # fsspec, as for s3://

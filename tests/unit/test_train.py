@@ -1,4 +1,3 @@
-import dataclasses
 import json
 
 import numpy as np
@@ -121,7 +120,7 @@ def test_dropout_is_active_in_training_only_and_absent_from_the_export(tmp_path)
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = Llama(dataclasses.replace(CFG, dropout=0.5))
+    model = Llama(CFG.model_copy(update={"dropout": 0.5}))
     plain = Llama(CFG)
     plain.load_state_dict(model.state_dict())
     x = torch.randint(0, 64, (2, 8))
