@@ -383,11 +383,10 @@ def _checkpoint(run: Run) -> None:
 def _finish(run: Run, out_dir: Path) -> dict:
     """Export the model (the best weights under keep_best), log it, close the MLflow run."""
     progress = run.progress
-    rows = [r for r in progress.history if r.get("val_loss") is not None]
     exported = progress.history[-1] if progress.history else {}
     if run.cfg.keep_best and run.best is not None:
         load_weights(run.model, run.best)
-        exported = next(r for r in rows if r["step"] == progress.best_step)
+        exported = next(r for r in progress.history if r["step"] == progress.best_step)
         log.info(
             "keep_best: exporting the weights of step %d (val %.4f)",
             progress.best_step,
@@ -401,7 +400,7 @@ def _finish(run: Run, out_dir: Path) -> dict:
         "metrics": {
             "train_loss": exported.get("train_loss"),
             "val_loss": exported.get("val_loss"),
-            "step": exported.get("step"),
+            "exported_step": exported.get("step"),
             "best_step": progress.best_step,
             "steps": progress.step,
             "tokens": progress.tokens,

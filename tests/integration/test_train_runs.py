@@ -142,7 +142,7 @@ def test_keep_best_exports_the_lowest_validation_loss_and_survives_sigkill(token
     assert best_step < 20 and val[30] > val[best_step] + 0.1, val  # validation rose again at the end
 
     meta = json.loads((straight / "artifacts/model/lmops.json").read_text())
-    assert meta["metrics"]["best_step"] == meta["metrics"]["step"] == best_step
+    assert meta["metrics"]["best_step"] == meta["metrics"]["exported_step"] == best_step
     assert meta["metrics"]["val_loss"] == pytest.approx(val[best_step], rel=1e-5)
     assert meta["metrics"]["steps"] == 30 and meta["stop_reason"] == "reached max_steps (30)"
     assert _mlflow_run(straight, meta["run_id"]).data.metrics["best_step"] == best_step
