@@ -57,7 +57,10 @@ def test_scientific_notation_without_dot_is_caught():
         ({"data": {"sha256": "xyz"}}, "data.sha256"),
         ({"split": {"test_fraction": 0.0}}, r"'split.test_fraction': Input should be greater than 0"),
         ({"split": {"method": "last"}}, "one of 'random', 'tail'"),
-        ({"data": {"document_unit": "sentence"}}, "one of 'auto', 'file', 'row', 'paragraph', 'line', 'chunk'"),
+        (
+            {"data": {"document_unit": "sentence"}},
+            "one of 'auto', 'file', 'row', 'paragraph', 'line', 'chunk'",
+        ),
         ({"data": {"format": "xml"}}, "'data.format'"),
     ],
 )
