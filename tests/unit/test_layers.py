@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-RUNTIME = ["lmops.model", "lmops.tokenizer", "lmops.engine"]
+# lmops.engine loads its modules lazily: the loop imports every one of them.
+RUNTIME = ["lmops.model", "lmops.tokenizer", "lmops.engine.loop", "production_service.app"]
 PIPELINE = [
     "lmops.config",
     "lmops.data",
