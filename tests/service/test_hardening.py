@@ -151,11 +151,11 @@ def test_probes_answer_while_slow_clients_hold_every_thread(model_dir, tmp_path)
     server = start_server(
         model_dir, tmp_path / "slow.log", LMOPS_THREADS=str(threads), LMOPS_HEADER_TIMEOUT=str(header_timeout)
     )
+    stop = threading.Event()
     try:
         assert metric(server.probe_url, 'lmops:request_success_total{finished_reason="length"}') == 0
         assert metric(server.probe_url, "lmops:prompt_tokens_total") == 0  # the warm-up is not counted
         url = urlparse(server.url)
-        stop = threading.Event()
         slow = [socket.create_connection((url.hostname, url.port)) for _ in range(2 * threads)]
 
         def trickle(sock: socket.socket) -> None:
