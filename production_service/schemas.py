@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from lmops.engine.sampling import MAX_LOGPROBS
 from production_service.errors import APIError
@@ -53,8 +53,18 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+def _integral(value):
+    """JSON Schema's integers include 2.0; strict pydantic's do not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _integer(lo: int, hi: int, description: str | None = None):
+    # Field before the validator, or the schema says "ge"/"le" instead of minimum/maximum
+    return Annotated[int, Field(ge=lo, le=hi, description=description), BeforeValidator(_integral)]
+
+
 def _int(lo: int, hi: int, description: str | None = None):
-    return Annotated[int, Field(ge=lo, le=hi, description=description)] | None
+    return _integer(lo, hi, description) | None
 
 
 def _float(lo: float, hi: float, description: str | None = None, exclusive_lo: bool = False):
@@ -71,7 +81,7 @@ def request_models(limits: Limits) -> tuple[type[_Request], type[_Request]]:
     """(CompletionRequest, PredictRequest) for a model's limits."""
     ctx, vocab = limits.max_model_len, limits.vocab_size
     text = Annotated[str, Field(min_length=1)]
-    token_id = Annotated[int, Field(ge=0, le=vocab - 1)]
+    token_id = _integer(0, vocab - 1)
     token_ids = Annotated[list[token_id], Field(min_length=1, max_length=limits.max_prompt_tokens)]
     stop_text = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
