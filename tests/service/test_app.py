@@ -326,9 +326,7 @@ def test_config_from_env_names_the_bad_variable(monkeypatch):
 
 def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
     """The mapping is generic: a field added to EngineConfig is LMOPS_<FIELD> here."""
-    monkeypatch.setattr(
-        config_module, "_ENGINE_FIELDS", (*config_module._ENGINE_FIELDS, "made_up_field")
-    )
+    monkeypatch.setattr(config_module, "_ENGINE_FIELDS", (*config_module._ENGINE_FIELDS, "made_up_field"))
     monkeypatch.setenv("LMOPS_MADE_UP_FIELD", "7")
     with pytest.raises(LmopsError, match="LMOPS_MADE_UP_FIELD"):  # EngineConfig has no such field
         ServiceConfig.from_env()
