@@ -1,0 +1,180 @@
+"""`lmops` entry point: one subcommand per pipeline stage, plus generate, bench and serve.
+
+Every user-fixable problem is an `LmopsError`: printed as one line, exit code 1,
+no traceback. Stages run from the repository root (paths are relative to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from lmops.config import PARAMS_FILE, load_params
+from lmops.errors import LmopsError
+
+log = logging.getLogger("lmops")
+STAGES = ("get_data", "split", "tokenize", "train", "evaluate", "promote")
+
+
+def _run_stage(name: str, args: argparse.Namespace) -> None:
+    params = load_params(args.params)
+    if name == "get_data":
+        from lmops.data import get_data
+
+        get_data(params.data)
+    elif name == "split":
+        from lmops.data import split
+
+        split(params.split)
+    elif name == "tokenize":
+        from lmops.tokenize import tokenize
+
+        tokenize(params.tokenizer, params.model.max_seq_len)
+    elif name == "train":
+        from lmops.train import train
+
+        train(params)
+    elif name == "evaluate":
+        from lmops.evaluate import evaluate
+
+        evaluate(params)
+    elif name == "promote":
+        from lmops.promote import promote
+
+        promote(params, force=args.force)
+
+
+def _sampling(args: argparse.Namespace):
+    from lmops.engine import SamplingParams
+
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise LmopsError(str(exc)) from None
+
+
+def _generate(args: argparse.Namespace) -> None:
+    """Stream one completion to stdout as the engine produces it."""
+    from lmops.engine import LLMEngine
+
+    sampling = _sampling(args)
+    engine = LLMEngine.from_pretrained(args.model, device=args.device, max_num_seqs=1)
+    try:
+        engine.add_request("cli", args.prompt, sampling)
+    except ValueError as exc:
+        raise LmopsError(str(exc)) from None
+    print(args.prompt, end="", flush=True)
+    finished = None
+    while finished is None:
+        for out in engine.step():
+            print(out.outputs[0].delta_text, end="", flush=True)
+            finished = out if out.finished else None
+    print()
+    m = finished.metrics
+    log.info(
+        "%d tokens, TTFT %.1f ms, %.1f tokens/s, finish: %s",
+        m.num_generation_tokens,
+        1000 * m.ttft,
+        m.num_generation_tokens / max(m.e2e_latency, 1e-9),
+        finished.outputs[0].finish_reason,
+    )
+
+
+def _bench(args: argparse.Namespace) -> None:
+    """Quick engine throughput on a model directory: N concurrent requests, one table."""
+    import statistics
+
+    from lmops.engine import LLMEngine
+
+    engine = LLMEngine.from_pretrained(args.model, device=args.device)
+    sampling = _sampling(args)
+    prompts = [f"def function_{i}(x):\n    " for i in range(args.requests)]
+    engine.generate(prompts[:1], sampling)  # warm-up
+    started = time.perf_counter()
+    outs = engine.generate(prompts, sampling)
+    elapsed = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = sorted(1000 * o.metrics.ttft for o in outs)
+    print(
+        f"requests {len(outs)}  output tokens {tokens}  wall {elapsed:.2f} s  "
+        f"throughput {tokens / elapsed:.0f} tok/s  TTFT p50 {statistics.median(ttft):.0f} ms  "
+        f"p95 {ttft[int(0.95 * (len(ttft) - 1))]:.0f} ms"
+    )
+
+
+def _serve(args: argparse.Namespace) -> None:
+    """Replace this process with gunicorn serving the model (production_service.server)."""
+    from production_service.server import gunicorn_argv
+
+    os.environ.setdefault("LMOPS_MODEL_DIR", str(args.model.resolve()))
+    argv = gunicorn_argv()
+    os.execv(argv[0], argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmops", description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default=PARAMS_FILE, help="params file (default: %(default)s)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for stage in STAGES:
+        p = sub.add_parser(stage, help=f"run the {stage} stage alone")
+        if stage == "promote":
+            p.add_argument("--force", action="store_true", help="promote even if the champion is better")
+    gen = sub.add_parser("generate", help="stream a completion from a model directory (the engine)")
+    gen.add_argument("--prompt", required=True)
+    bench = sub.add_parser("bench", help="engine throughput on a model directory (full suite: benchmarks/)")
+    bench.add_argument("--requests", type=int, default=32)
+    for p, max_tokens in ((gen, 64), (bench, 128)):
+        p.add_argument("--model", type=Path, default=Path("production_service/model"))
+        p.add_argument("--max-tokens", type=int, default=max_tokens)
+        p.add_argument("--temperature", type=float, default=0.8)
+        p.add_argument("--top-k", type=int, default=50)
+        p.add_argument("--top-p", type=float, default=0.95)
+        p.add_argument("--seed", type=int, default=1337)
+        p.add_argument("--device", default="auto")
+    srv = sub.add_parser("serve", help="run the inference service (gunicorn) on a model directory")
+    srv.add_argument("--model", type=Path, default=Path("production_service/model"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("alembic", "mlflow", "urllib3", "httpx", "git"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    started = time.perf_counter()
+    try:
+        if args.command in STAGES:
+            _run_stage(args.command, args)
+        elif args.command == "generate":
+            _generate(args)
+        elif args.command == "bench":
+            _bench(args)
+        elif args.command == "serve":
+            _serve(args)
+    except LmopsError as exc:
+        print(f"lmops {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"lmops {args.command}: interrupted", file=sys.stderr)
+        return 130
+    if args.command in STAGES:
+        log.info("%s done in %.1f s", args.command, time.perf_counter() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

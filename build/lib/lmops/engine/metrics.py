@@ -1,0 +1,216 @@
+"""Per-request timings and the engine's Prometheus metrics (names follow vLLM's, prefix `lmops:`).
+
+Each engine owns its own `CollectorRegistry`, so several engines (tests, benchmarks)
+can live in one process and the service exposes exactly one engine's numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# vLLM's bucket boundaries, so dashboards built for vLLM read these unchanged.
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+def now() -> float:
+    """The one clock all request timings use (monotonic: immune to wall-clock jumps)."""
+    return time.monotonic()
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (engine clock, seconds) and counts of one request; derived latencies as properties."""
+
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (the decode speed a user sees)."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_generation_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+    def as_dict(self) -> dict:
+        return {
+            "arrival_time": self.arrival_time,
+            "queue_time": self.queue_time,
+            "ttft": self.ttft,
+            "tpot": self.tpot,
+            "e2e_latency": self.e2e_latency,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+        }
+
+
+class EngineMetrics:
+    """The Prometheus view of one engine; the engine calls the `on_*` hooks from its step."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.ttft = Histogram(
+            "lmops:time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "lmops:time_per_output_token_seconds",
+            "Time between consecutive output tokens of a request.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "lmops:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "lmops:request_queue_time_seconds",
+            "Time from arrival to first scheduling.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge("lmops:num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("lmops:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge(
+            "lmops:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", registry=r
+        )
+        self.prefix_queries = Counter(
+            "lmops:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_hits = Counter(
+            "lmops:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r
+        )
+        self.preemptions = Counter(
+            "lmops:num_preemptions", "Sequences preempted (to be recomputed).", registry=r
+        )
+        self.prompt_tokens = Counter("lmops:prompt_tokens", "Prefill tokens processed.", registry=r)
+        self.generation_tokens = Counter("lmops:generation_tokens", "Tokens generated.", registry=r)
+        self.success = Counter(
+            "lmops:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+
+    def on_schedule(
+        self, *, preemptions: int, prefix_queries: int, prefix_hits: int, prompt_tokens: int
+    ) -> None:
+        if preemptions:
+            self.preemptions.inc(preemptions)
+        if prefix_queries:
+            self.prefix_queries.inc(prefix_queries)
+            self.prefix_hits.inc(prefix_hits)
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+
+    def on_tokens(self, m: RequestMetrics, t: float, count: int) -> None:
+        """`count` tokens of one request (one per completion) generated in the step ending at `t`:
+        TTFT on the first, else one inter-token latency observation."""
+        if m.first_token_time is None:
+            m.first_token_time = t
+            self.ttft.observe(t - m.arrival_time)
+        else:
+            self.tpot.observe(t - m.last_token_time)
+        m.last_token_time = t
+        m.num_generation_tokens += count
+        self.generation_tokens.inc(count)
+
+    def on_first_scheduled(self, m: RequestMetrics, t: float) -> None:
+        m.first_scheduled_time = t
+        self.queue.observe(t - m.arrival_time)
+
+    def on_finished(self, m: RequestMetrics, reason: str, t: float) -> None:
+        m.finished_time = t
+        self.e2e.observe(t - m.arrival_time)
+        self.success.labels(finished_reason=reason).inc()
+
+    def set_state(self, *, running: int, waiting: int, kv_usage: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)

@@ -1,0 +1,97 @@
+"""The engine's life in the worker: load in the background (so /health answers
+and /ready says 503 meanwhile), warm up, serve, drain on shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from production_service.config import ServiceConfig
+from production_service.model_source import ModelInfo, resolve_model
+from production_service.schemas import Limits
+
+log = logging.getLogger(__name__)
+
+WARMUP_PROMPT = "def add(a, b):"
+WORKER_BOOT_ERROR = 3  # gunicorn's exit status for "worker failed to boot": the master halts
+
+
+class Runtime:
+    """States: loading -> ready -> draining -> stopped, or loading -> failed."""
+
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.state = "loading"
+        self.error: str | None = None
+        self.engine = None
+        self.loop = None
+        self.model: ModelInfo | None = None
+        self.limits: Limits | None = None
+        self.created = int(time.time())
+        self._ready = threading.Event()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        threading.Thread(target=self._load, name="lmops-model-loader", daemon=True).start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self._ready.wait(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def healthy(self) -> bool:
+        """Alive while loading; once serving, only if the engine loop is not stuck."""
+        if self.state == "failed":
+            return False
+        return self.loop is None or self.loop.healthy()
+
+    def _load(self) -> None:
+        from lmops.engine import EngineLoop, EngineMetrics, LLMEngine, SamplingParams
+
+        try:
+            model = resolve_model(self.config.model_dir, self.config.model_uri)
+            engine = LLMEngine.from_pretrained(model.path, self.config.engine)
+            engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0, max_tokens=8))
+            engine.metrics = EngineMetrics()  # the warm-up is not a request anyone made
+            loop = EngineLoop(engine, max_queued=self.config.max_queued)
+        except Exception as exc:  # any failure to load is fatal: one clear line, no traceback
+            self.error = f"cannot load the model from {self.config.model_uri or self.config.model_dir}: {exc}"
+            log.error(self.error)
+            self.state = "failed"
+            if self.config.exit_on_load_failure:
+                logging.shutdown()
+                os._exit(WORKER_BOOT_ERROR)
+            return
+        with self._lock:
+            if self.state != "loading":  # shut down while loading
+                return
+            loop.start()
+            self.engine, self.loop, self.model = engine, loop, model
+            self.limits = Limits(
+                max_model_len=engine.max_model_len,
+                vocab_size=engine.config.vocab_size,
+                max_num_seqs=engine.max_num_seqs,
+                max_token_chars=max(map(len, engine.tokenizer.get_vocab())),
+            )
+            self.created = int(time.time())
+            self.state = "ready"
+        log.info(
+            "serving %s (version %s, run %s) from %s", model.name, model.version, model.run_id, model.path
+        )
+        self._ready.set()
+
+    def shutdown(self, timeout: float) -> None:
+        """Refuse new work now; let in-flight requests finish within `timeout`, abort the rest."""
+        with self._lock:
+            if self.state in ("draining", "stopped"):
+                return
+            self.state = "draining"
+            loop = self.loop
+        if loop is not None:
+            loop.shutdown(timeout)
+        self.state = "stopped"
+        log.info("engine stopped")
