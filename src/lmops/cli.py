@@ -117,16 +117,12 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    os.environ.setdefault("LMOPS_MODEL_DIR", str(args.model))
-    os.execvp(
-        "gunicorn",
-        [
-            "gunicorn",
-            "--config",
-            "production_service/gunicorn.conf.py",
-            "production_service.app:create_app()",
-        ],
-    )
+    """Replace this process with gunicorn serving the model (production_service.server)."""
+    from production_service.server import gunicorn_argv
+
+    os.environ.setdefault("LMOPS_MODEL_DIR", str(args.model.resolve()))
+    argv = gunicorn_argv()
+    os.execv(argv[0], argv)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -201,19 +201,6 @@ def end_run(run_id: str, status: str = "FINISHED") -> None:
 # -- registry and promotion ---------------------------------------------------------
 
 
-def download_model_dir(model_uri: str, dst: Path) -> Path:
-    """Download a logged model (`models:/name@alias`, `runs:/...`) into `dst`; return its model directory."""
-    mlflow = _mlflow()
-    try:
-        root = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dst)))
-    except mlflow.exceptions.MlflowException as exc:
-        raise LmopsError(f"could not download {model_uri}: {exc.message}") from None
-    for config in sorted(root.rglob("config.json")):
-        if (config.parent / "model.safetensors").is_file():
-            return config.parent
-    raise LmopsError(f"{model_uri} holds no model directory (no config.json + model.safetensors)")
-
-
 def champion_version(name: str, alias: str):
     """The version `alias` points at; None only when the model or the alias does not
     exist (any other failure, e.g. a locked store, is raised, never read as "no champion")."""
