@@ -189,6 +189,11 @@ def log_model(run_id: str, model_dir: Path) -> None:
         )
 
 
+def set_tags(run_id: str, tags: dict[str, str]) -> None:
+    RunTag = _mlflow().entities.RunTag
+    client().log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
 def end_run(run_id: str, status: str = "FINISHED") -> None:
     client().set_terminated(run_id, status=status)
 
