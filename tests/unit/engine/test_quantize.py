@@ -58,3 +58,14 @@ def test_unknown_quantization_is_a_clear_error(model_dir):
         EngineConfig(quantization="int4")
     with pytest.raises(LmopsError, match="quantization must be one of"):
         LLMEngine.from_pretrained(model_dir, device="cpu", quantization="fp8")
+
+
+def test_cli_generate_and_bench_take_quantization(model_dir):
+    from lmops import cli
+
+    for command in (["generate", "--prompt", "x"], ["bench"]):
+        args = cli.build_parser().parse_args([*command, "--model", str(model_dir), "--quantization", "int8"])
+        engine = cli._engine(args, device="cpu", max_num_seqs=1)
+        assert isinstance(engine.model.lm_head, Int8Linear)
+    args = cli.build_parser().parse_args(["bench", "--model", str(model_dir)])
+    assert not isinstance(cli._engine(args, device="cpu", max_num_seqs=1).model.lm_head, Int8Linear)
