@@ -89,7 +89,10 @@ def main() -> int:
 
         sys.path.insert(0, str(REPO / "src"))
         from lmops.config import EvaluateConfig
-        from lmops.evaluate import evaluate_dir
+        from lmops.evaluate import evaluate_dir, score
+        from lmops.model import Llama
+        from lmops.quantize import quantize
+        from lmops.tokenizer import load_tokenizer
 
         train_text = (work / "data/processed/train.txt").read_text()
         heldout = "".join((work / f"data/processed/{name}.txt").read_text() for name in ("val", "test"))
@@ -97,8 +100,11 @@ def main() -> int:
         assert corpus.startswith(train_text), "tail split: train must be the start of the corpus"
         split_at = {"ours": len(train_text), "nanoGPT": int(len(corpus) * 0.9)}
         report = json.loads((work / "artifacts/data_report.json").read_text())
-        val = evaluate_dir(
-            work / "artifacts/model", heldout, EvaluateConfig(max_batches=10_000, batch_size=16)
+        model_dir, cfg = work / "artifacts/model", EvaluateConfig(max_batches=10_000, batch_size=16)
+        val = evaluate_dir(model_dir, heldout, cfg)
+        # The same weights as int8 weight-only (lmops.quantize): its quality cost.
+        val_int8 = score(
+            quantize(Llama.from_pretrained(model_dir), "int8"), load_tokenizer(model_dir), heldout, cfg
         )
         state = json.loads((work / "artifacts/checkpoints/state.json").read_text())
     finally:
@@ -107,6 +113,7 @@ def main() -> int:
     load_after = os.getloadavg()
     history = state["history"]
     rows = [("lmops (this run)", val["bits_per_byte"], timings["train"])]
+    rows += [("lmops (this run), int8 weights", val_int8["bits_per_byte"], None)]
     rows += [(name, bpb, None) for name, bpb in NANOGPT.items()]
     print(f"\n{'model':36s} {'val bits/byte':>14s} {'train s':>8s}")
     for name, bpb, secs in rows:
@@ -118,9 +125,13 @@ def main() -> int:
         f"{val['bits_per_byte'] / NANOGPT['nanoGPT shakespeare_char (A100)']:.3f}; exported step "
         f"{state['best_step']} of {state['step']}; load average {load_before[0]:.1f} -> {load_after[0]:.1f}"
     )
+    int8_cost = val_int8["bits_per_byte"] / val["bits_per_byte"] - 1
+    print(f"int8 weights cost {100 * int8_cost:+.3f}% bits/byte (target: within 1%)")
     result = {
         "corpus": str(CORPUS.name),
         "val": val,
+        "val_int8": val_int8,
+        "int8_relative_cost": int8_cost,
         "heldout_starts_at_byte": split_at,
         "heldout_duplicates_dropped": report["duplicates_dropped"],
         "stage_seconds": timings,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmops.quantize import check_method
+
 
 def positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -25,7 +27,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    quantization: str | None = None  # "int8": weight-only int8 linears and LM head (lmops.quantize)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive_int(name, getattr(self, name))
+        check_method(self.quantization)
