@@ -340,9 +340,12 @@ def test_config_from_env_names_the_bad_variable(monkeypatch):
     monkeypatch.setenv("LMOPS_MAX_NUM_SEQS", "0")
     with pytest.raises(LmopsError, match="^LMOPS_MAX_NUM_SEQS: max_num_seqs must be"):
         ServiceConfig.from_env()
+    monkeypatch.delenv("LMOPS_MAX_NUM_SEQS")
     monkeypatch.setenv("LMOPS_DRIFT_SAMPLE", "2")
     with pytest.raises(LmopsError, match="^LMOPS_DRIFT_SAMPLE: drift_sample must be in"):
         ServiceConfig.from_env()
+    monkeypatch.setenv("LMOPS_DRIFT_SAMPLE", "0.5")
+    assert ServiceConfig.from_env().engine.drift_sample == 0.5
     monkeypatch.setenv("PORT", "-1")
     with pytest.raises(LmopsError, match="^PORT: "):
         ServiceConfig.from_env()
