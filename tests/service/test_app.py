@@ -4,14 +4,16 @@ the states around the model (loading, failed, full queue, shutting down)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import pytest
 
-from lmops.engine import SamplingParams
+from lmops.engine import EngineConfig, SamplingParams
 from lmops.errors import LmopsError
 from production_service import app as app_module
+from production_service import config as config_module
 from production_service.app import create_app
 from production_service.config import ServiceConfig
 from tests.service.conftest import CONTEXT, load_app
@@ -195,8 +197,13 @@ def test_metrics_has_engine_and_http_series(client):
         "lmops:time_to_first_token_seconds_bucket",
         "http_requests_total",
         "http_request_duration_seconds_bucket",
+        "lmops:engine_steps_total",
+        "lmops:prompt_bits_per_byte_bucket",
     ):
         assert name in text
+    assert "lmops:service_ready 1.0" in text
+    # The fixture model has no reference bits/byte in lmops.json: the gauge is absent.
+    assert "lmops:model_reference_bits_per_byte" not in text
     assert 'handler="/v1/completions",method="POST",status="200"' in text
 
 
@@ -204,7 +211,7 @@ def test_openapi_document_carries_the_model_limits(client):
     doc = client.get("/openapi.json").get_json()
     assert doc["openapi"].startswith("3.1") and "/v1/completions" in doc["paths"]
     schema = doc["components"]["schemas"]["CompletionRequest"]["properties"]
-    assert schema["max_tokens"]["maximum"] == CONTEXT
+    assert schema["max_tokens"]["anyOf"][0]["maximum"] == CONTEXT
     assert "security" not in doc["paths"]["/v1/completions"]["post"]
 
 
@@ -215,7 +222,23 @@ def test_not_loaded_yet_is_503_but_probes_and_docs_answer(model_dir):
     assert_error(client.get("/ready"), 503, "not_ready")
     assert client.get("/health").get_json() == {"status": "loading"}
     assert client.get("/openapi.json").status_code == 200
-    assert client.get("/metrics").status_code == 200
+    assert "lmops:service_ready 0.0" in client.get("/metrics").get_data(as_text=True)
+
+
+def test_reference_gauge_from_lmops_json_and_warning_without(model_dir, tmp_path, caplog):
+    import shutil
+
+    with_ref = shutil.copytree(model_dir, tmp_path / "with-ref")
+    meta = json.loads((with_ref / "lmops.json").read_text())
+    (with_ref / "lmops.json").write_text(json.dumps({**meta, "reference_bits_per_byte": 2.25}))
+    app = load_app(model_dir=with_ref, device="cpu")
+    text = app.test_client().get("/metrics").get_data(as_text=True)
+    app.extensions["lmops"].shutdown(5)
+    assert "lmops:model_reference_bits_per_byte 2.25" in text
+    assert "no reference bits/byte" not in caplog.text
+    app = load_app(model_dir=model_dir, device="cpu")
+    app.extensions["lmops"].shutdown(5)
+    assert caplog.text.count("no reference bits/byte") == 1
 
 
 def test_api_key_is_required_and_compared_in_constant_time(model_dir, monkeypatch):
@@ -299,15 +322,47 @@ def test_engine_failure_mid_stream_is_reported_in_band_and_by_health(model_dir):
     assert_error(completion(client), 503, "engine_unavailable")
 
 
-def test_config_from_env_names_the_bad_variable():
-    config = ServiceConfig.from_env(
-        {"PORT": "8080", "LMOPS_MODEL_URI": "models:/lmops@champion", "LMOPS_ENABLE_PREFIX_CACHING": "false"}
-    )
-    assert (config.port, config.model_uri, config.enable_prefix_caching) == (
+def test_config_from_env_names_the_bad_variable(monkeypatch):
+    monkeypatch.setenv("PORT", "8080")
+    monkeypatch.setenv("LMOPS_MODEL_URI", "models:/lmops@champion")
+    monkeypatch.setenv("LMOPS_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("LMOPS_THREADS", "")  # empty is unset
+    config = ServiceConfig.from_env()
+    assert (config.port, config.model_uri, config.engine.enable_prefix_caching) == (
         8080,
         "models:/lmops@champion",
         False,
     )
-    assert config.worker_threads == config.max_num_seqs + config.max_queued + 8
-    with pytest.raises(LmopsError, match="LMOPS_MAX_NUM_SEQS"):
-        ServiceConfig.from_env({"LMOPS_MAX_NUM_SEQS": "lots"})
+    assert config.worker_threads == config.engine.max_num_seqs + config.max_queued + 8
+    monkeypatch.setenv("LMOPS_MAX_NUM_SEQS", "lots")
+    with pytest.raises(LmopsError, match="^LMOPS_MAX_NUM_SEQS: .*integer"):
+        ServiceConfig.from_env()
+    monkeypatch.setenv("LMOPS_MAX_NUM_SEQS", "0")
+    with pytest.raises(LmopsError, match="^LMOPS_MAX_NUM_SEQS: max_num_seqs must be"):
+        ServiceConfig.from_env()
+    monkeypatch.delenv("LMOPS_MAX_NUM_SEQS")
+    monkeypatch.setenv("LMOPS_DRIFT_SAMPLE", "2")
+    with pytest.raises(LmopsError, match="^LMOPS_DRIFT_SAMPLE: drift_sample must be in"):
+        ServiceConfig.from_env()
+    monkeypatch.setenv("LMOPS_DRIFT_SAMPLE", "0.5")
+    assert ServiceConfig.from_env().engine.drift_sample == 0.5
+    monkeypatch.setenv("PORT", "-1")
+    with pytest.raises(LmopsError, match="^PORT: "):
+        ServiceConfig.from_env()
+
+
+def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
+    """The mapping is generic: a field added to EngineConfig is LMOPS_<FIELD> here."""
+    monkeypatch.setattr(config_module, "_ENGINE_FIELDS", (*config_module._ENGINE_FIELDS, "made_up_field"))
+    monkeypatch.setenv("LMOPS_MADE_UP_FIELD", "7")
+    with pytest.raises(LmopsError, match="LMOPS_MADE_UP_FIELD"):  # EngineConfig has no such field
+        ServiceConfig.from_env()
+    unset_examples = {"kv_cache_memory": "1000000", "quantization": "int8"}  # fields whose default is None
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(EngineConfig(), f.name)
+        env = str(value).lower() if value is not None else unset_examples[f.name]
+        monkeypatch.setenv(f"LMOPS_{f.name.upper()}", env)
+    monkeypatch.delenv("LMOPS_MADE_UP_FIELD")
+    monkeypatch.setattr(config_module, "_ENGINE_FIELDS", config_module._ENGINE_FIELDS[:-1])
+    engine = ServiceConfig.from_env().engine
+    assert engine.kv_cache_memory == 1000000 and engine.quantization == "int8"
