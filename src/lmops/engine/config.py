@@ -7,13 +7,20 @@ changes here and nowhere else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 
 def positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return value
+
+
+def compile_default() -> bool:
+    """On unless LMOPS_COMPILE=0: the one switch for the CLI, service, benchmarks and tests
+    (tests/conftest.py turns it off; compiling costs seconds per engine)."""
+    return os.environ.get("LMOPS_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Compiled decode steps on CPU (engine/compiled.py); compiles at engine start.
+    compile: bool = field(default_factory=compile_default)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
