@@ -82,7 +82,9 @@ class CompiledDecode:
         self.sizes += [b for b in BATCH_SIZES if b >= max_num_seqs][:1]
         model = forward.model
         self.device = model.lm_head.weight.device
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.sizes))
+        # One dynamo cache entry per size and engine (all share `_eager_step`'s code): room
+        # for this engine's, on top of any other engine's in the process.
+        torch._dynamo.config.recompile_limit += len(self.sizes)
         self._step = torch.compile(self._eager_step, fullgraph=True)
         t = time.perf_counter()
         with torch.inference_mode():
