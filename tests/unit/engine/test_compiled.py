@@ -66,3 +66,17 @@ def test_compile_failure_falls_back_to_eager(model_dir, prompts, monkeypatch, ca
     assert engine.runner.decode is None
     assert "decoding eagerly: no C++ compiler" in caplog.text
     assert len(engine.generate([prompts[2]], GREEDY)[0].token_ids) == GREEDY.max_tokens
+
+
+def test_two_compiled_engines_keep_their_own_weights(model_dir, compiled_engine, prompts):
+    """Graphs are cached per code object and guards are mostly skipped after warm-up
+    (compiled.py): a second engine's steps must still read its own weights."""
+    other = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=True)
+    with torch.no_grad():
+        other.model.model.norm.weight.mul_(-1)  # argmax becomes argmin: other tokens
+    batch = prompts[10:13]
+    got = [o.token_ids for o in other.generate(batch, GREEDY)]
+    decode, other.runner.decode = other.runner.decode, None
+    assert got == [o.token_ids for o in other.generate(batch, GREEDY)]
+    other.runner.decode = decode
+    assert got != [o.token_ids for o in compiled_engine.generate(batch, GREEDY)]
