@@ -224,6 +224,30 @@ def workload_c(model_dir: Path, device: str, n_req: int, prefix_len: int, own: i
     return out
 
 
+def decode_steps(engine: LLMEngine, prompt: list[int], steps: int) -> dict:
+    """engine.step() of one decoding request, alternating the compiled and the eager path
+    step by step, so that load from other jobs falls on both alike (min, p10, median ms)."""
+    decode = engine.runner.decode
+    engine.add_request("alternating", prompt, greedy(steps + 2))
+    engine.step()  # prefill
+    times: dict[str, list[float]] = {"compiled": [], "eager": []}
+    for i in range(steps):
+        name = "compiled" if i % 2 == 0 else "eager"
+        engine.runner.decode = decode if name == "compiled" else None
+        t = time.perf_counter()
+        engine.step()
+        sync(engine.device)
+        times[name].append(1000 * (time.perf_counter() - t))
+    engine.runner.decode = decode
+    engine.abort("alternating")
+    out = {}
+    for name, ms in times.items():
+        ms.sort()
+        out[name] = {"min_ms": ms[0], "p10_ms": ms[len(ms) // 10], "median_ms": statistics.median(ms)}
+    out["steps"] = steps
+    return out
+
+
 def bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes/s of a tensor copy (read + write counted)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
@@ -376,6 +400,17 @@ def table(r: dict) -> str:
         "",
         f"compiled decode: batch sizes {r['compile']['batch_sizes']} compiled at engine start in "
         f"{r['compile']['seconds']:.1f} s; load average before/after {r['load_average_before_after']}",
+        *(
+            [
+                "decode step alternating compiled / eager (ms, min / p10 / median): "
+                + " vs ".join(
+                    "{min_ms:.2f} / {p10_ms:.2f} / {median_ms:.2f}".format(**r["decode_steps"][k])
+                    for k in ("compiled", "eager")
+                )
+            ]
+            if "decode_steps" in r
+            else []
+        ),
         f"A eager decode step: {f['decode_step_ms']:.2f} ms (profiled {f['profiled_step_ms']:.2f} ms); "
         f"weights {f['weight_bytes'] / 2**20:.1f} MiB; floor {f['floor_ms_dram']:.3f} ms at "
         f"{f['dram_bandwidth_gb_s']:.1f} GB/s (1 GiB copy), {f['floor_ms_cache']:.3f} ms at "
@@ -467,6 +502,8 @@ def main(argv: list[str] | None = None) -> dict:
     res["B"] = workload_b(b_engine, hf, n_b, 16, hi, new, one_by_one, rounds=1 if q else args.rounds)
     res["B"]["compiled_decode"] = b_engine.runner.decode is not None
     res["C"] = workload_c(model_dir, args.device, 8 if q else 32, min(512, ctx - 16 - 16), 16, 16)
+    if decode:
+        res["decode_steps"] = decode_steps(compiled, res["A"]["prompt"], 100 if q else 400)
     res["floor"] = decode_floor(engine, res["A"].pop("prompt"), res["A"]["eager"]["step_ms"])
     res["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     print(table(res))
