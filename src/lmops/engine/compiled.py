@@ -5,13 +5,14 @@ overhead; see benchmarks/README.md). Any other step (prefills, mixed batches, mo
 sequences than the largest size) takes the runner's eager path.
 
 CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs
-for the GPU are not written yet (nothing here could test them), so CUDA stays eager. The
-compiled graph is `FusedForward`
-itself, traced with a decode-only attention whose shapes are fixed per batch size except
-the block-table width (symbolic, so contexts of any length share one graph). Padding rows
-write their K/V into a scratch block the engine reserves past the block manager's blocks,
-and their logits are dropped. Inductor caches its generated code on disk
-(TORCHINDUCTOR_CACHE_DIR, default under /tmp), so a restart recompiles faster.
+for the GPU are not written yet (nothing here could test them), so CUDA stays eager.
+
+The graph is `FusedForward` itself, traced with a decode-only attention whose shapes are
+fixed per batch size except the block-table width (symbolic, so contexts of any length
+share one graph). It returns the step's K/V, which the runner writes into the pool after
+the graph; padding rows write theirs into a scratch block that the engine reserves past
+the block manager's blocks, and their logits are dropped. Inductor caches its generated
+code on disk (TORCHINDUCTOR_CACHE_DIR, default under /tmp), so a restart compiles faster.
 """
 
 from __future__ import annotations
