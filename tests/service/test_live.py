@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlparse
 
 import openai
 import pytest
 import requests
 
+from production_service.server import wait_ready
 from tests.conftest import make_tiny_model_dir
-from tests.service.conftest import start_server
+from tests.service.conftest import free_port, start_server
 
 LONG_CONTEXT = 2048
 
@@ -216,3 +221,30 @@ def test_concurrent_requests_share_the_batch(server):
     for t in threads:
         t.join()
     assert results == [200] * 12
+
+
+def test_lmops_serve_runs_outside_the_checkout(model_dir, tmp_path):
+    """`lmops serve` needs no repository-relative path: the service is installed with lmops."""
+    port, probe_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "HOST": "127.0.0.1",
+        "PORT": str(port),
+        "LMOPS_PROBE_PORT": str(probe_port),
+        "LMOPS_DEVICE": "cpu",
+        "LMOPS_GRACEFUL_TIMEOUT": "5",
+    }
+    lmops = Path(sys.executable).parent / "lmops"
+    with (tmp_path / "serve.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [str(lmops), "serve", "--model", str(model_dir)], cwd=tmp_path, env=env, stdout=log, stderr=log
+        )
+    try:
+        assert wait_ready(f"http://127.0.0.1:{port}", proc, timeout=60), (tmp_path / "serve.log").read_text()
+        r = requests.post(
+            f"http://127.0.0.1:{port}/predict", json={"prompt": "ROMEO:", "max_tokens": 2}, timeout=30
+        )
+        assert r.status_code == 200 and r.json()["model"] == "lmops-tiny"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from lmops.quantize import check_method
+
 
 def positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -18,9 +20,24 @@ def positive_int(name: str, value) -> int:
 
 
 def compile_default() -> bool:
-    """On unless LMOPS_COMPILE=0: the one switch for the CLI, service, benchmarks and tests
-    (tests/conftest.py turns it off; compiling costs seconds per engine)."""
-    return os.environ.get("LMOPS_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+    """On unless LMOPS_COMPILE is false: the one switch for the CLI, service, benchmarks
+    and tests (tests/conftest.py turns it off; compiling costs seconds per engine)."""
+    value = os.environ.get("LMOPS_COMPILE", "").strip().lower() or "1"  # empty = unset
+    if value not in _BOOLS:
+        raise ValueError(f"LMOPS_COMPILE must be one of {sorted(_BOOLS)}, got {value!r}")
+    return _BOOLS[value]
+
+
+_BOOLS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
 
 
 @dataclass(frozen=True)
@@ -34,7 +51,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Compiled decode steps on CPU (engine/compiled.py); compiles at engine start.
     compile: bool = field(default_factory=compile_default)
+    quantization: str | None = None  # "int8": weight-only int8 linears and LM head (lmops.quantize)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive_int(name, getattr(self, name))
+        check_method(self.quantization)

@@ -80,3 +80,9 @@ def test_two_compiled_engines_keep_their_own_weights(model_dir, compiled_engine,
     assert got == [o.token_ids for o in other.generate(batch, GREEDY)]
     other.runner.decode = decode
     assert got != [o.token_ids for o in compiled_engine.generate(batch, GREEDY)]
+
+
+def test_lmops_compile_env_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("LMOPS_COMPILE", "maybe")
+    with pytest.raises(ValueError, match="LMOPS_COMPILE must be one of"):
+        EngineConfig()
