@@ -86,3 +86,15 @@ def test_lmops_compile_env_rejects_other_values(monkeypatch):
     monkeypatch.setenv("LMOPS_COMPILE", "maybe")
     with pytest.raises(ValueError, match="LMOPS_COMPILE must be one of"):
         EngineConfig()
+
+
+def test_compiled_int8_matches_eager_int8(model_dir, prompts):
+    """The quantized weights (lmops.quantize) trace into the graph like float ones."""
+    engines = [
+        LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=2, quantization="int8", compile=c)
+        for c in (True, False)
+    ]
+    assert engines[0].runner.decode is not None
+    batch = prompts[5:7]
+    compiled, eager = ([o.token_ids for o in e.generate(batch, GREEDY)] for e in engines)
+    assert compiled == eager
