@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Powers of two, as vLLM's CUDA-graph sizes: a batch pads to the next one. Above 16
-# sequences a step's matrix products outweigh its per-op overhead (measured in
-# benchmarks/README.md), so those steps stay eager and engine start stays short.
+# Powers of two, as vLLM's CUDA-graph sizes: a batch pads to the next one. The gain
+# shrinks as a step's matrix products grow (measured in benchmarks/README.md: clear at 4
+# sequences, within noise at 16), so larger steps stay eager and engine start stays short.
 BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
