@@ -4,7 +4,8 @@
 Built-in kinds go through kubernetes-validate (Kubernetes' OpenAPI schemas). The
 custom resources lmops ships, KServe InferenceService and Kubeflow PyTorchJob, are
 checked against the structural schemas in deploy/schemas/, and the pods they embed
-against Kubernetes' PodTemplate schema. Any other kind fails.
+against Kubernetes' PodTemplate schema; prometheus-operator's PodMonitor and
+PrometheusRule against their CRDs' own schemas (made strict). Any other kind fails.
 
     python deploy/validate.py FILE...      ('-' reads standard input)
 """
@@ -26,6 +27,8 @@ SCHEMAS = Path(__file__).with_name("schemas")
 CUSTOM_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice.json",
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjob.json",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
 }
 # A KServe predictor is a PodSpec plus these fields (checked by inferenceservice.json).
 KSERVE_PREDICTOR_FIELDS = {
@@ -45,6 +48,8 @@ def embedded_pod_templates(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         predictor = doc["spec"]["predictor"]
         pod = {k: v for k, v in predictor.items() if k not in KSERVE_PREDICTOR_FIELDS}
         return {"spec.predictor": {"spec": pod}}
+    if doc["kind"] != "PyTorchJob":
+        return {}
     return {
         f"spec.pytorchReplicaSpecs.{role}.template": replica["template"]
         for role, replica in doc["spec"]["pytorchReplicaSpecs"].items()

@@ -46,7 +46,8 @@ def create_app(config: ServiceConfig | None = None, *, start: bool = True) -> Fl
     """Build the app; with `start`, begin loading the model in the background."""
     config = config or ServiceConfig.from_env()
     configure_logging()
-    app = _flask(Runtime(config), HttpMetrics(), api, ops)
+    runtime = Runtime(config)
+    app = _flask(runtime, HttpMetrics(lambda: runtime.ready), api, ops)
     if start:
         app.extensions["lmops"].start()
     return app

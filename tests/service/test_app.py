@@ -197,8 +197,13 @@ def test_metrics_has_engine_and_http_series(client):
         "lmops:time_to_first_token_seconds_bucket",
         "http_requests_total",
         "http_request_duration_seconds_bucket",
+        "lmops:engine_steps_total",
+        "lmops:prompt_bits_per_byte_bucket",
     ):
         assert name in text
+    assert "lmops:service_ready 1.0" in text
+    # The fixture model has no reference bits/byte in lmops.json: the gauge is absent.
+    assert "lmops:model_reference_bits_per_byte" not in text
     assert 'handler="/v1/completions",method="POST",status="200"' in text
 
 
@@ -217,7 +222,23 @@ def test_not_loaded_yet_is_503_but_probes_and_docs_answer(model_dir):
     assert_error(client.get("/ready"), 503, "not_ready")
     assert client.get("/health").get_json() == {"status": "loading"}
     assert client.get("/openapi.json").status_code == 200
-    assert client.get("/metrics").status_code == 200
+    assert "lmops:service_ready 0.0" in client.get("/metrics").get_data(as_text=True)
+
+
+def test_reference_gauge_from_lmops_json_and_warning_without(model_dir, tmp_path, caplog):
+    import shutil
+
+    with_ref = shutil.copytree(model_dir, tmp_path / "with-ref")
+    meta = json.loads((with_ref / "lmops.json").read_text())
+    (with_ref / "lmops.json").write_text(json.dumps({**meta, "reference_bits_per_byte": 2.25}))
+    app = load_app(model_dir=with_ref, device="cpu")
+    text = app.test_client().get("/metrics").get_data(as_text=True)
+    app.extensions["lmops"].shutdown(5)
+    assert "lmops:model_reference_bits_per_byte 2.25" in text
+    assert "no reference bits/byte" not in caplog.text
+    app = load_app(model_dir=model_dir, device="cpu")
+    app.extensions["lmops"].shutdown(5)
+    assert caplog.text.count("no reference bits/byte") == 1
 
 
 def test_api_key_is_required_and_compared_in_constant_time(model_dir, monkeypatch):
@@ -319,6 +340,12 @@ def test_config_from_env_names_the_bad_variable(monkeypatch):
     monkeypatch.setenv("LMOPS_MAX_NUM_SEQS", "0")
     with pytest.raises(LmopsError, match="^LMOPS_MAX_NUM_SEQS: max_num_seqs must be"):
         ServiceConfig.from_env()
+    monkeypatch.delenv("LMOPS_MAX_NUM_SEQS")
+    monkeypatch.setenv("LMOPS_DRIFT_SAMPLE", "2")
+    with pytest.raises(LmopsError, match="^LMOPS_DRIFT_SAMPLE: drift_sample must be in"):
+        ServiceConfig.from_env()
+    monkeypatch.setenv("LMOPS_DRIFT_SAMPLE", "0.5")
+    assert ServiceConfig.from_env().engine.drift_sample == 0.5
     monkeypatch.setenv("PORT", "-1")
     with pytest.raises(LmopsError, match="^PORT: "):
         ServiceConfig.from_env()
@@ -330,10 +357,12 @@ def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
     monkeypatch.setenv("LMOPS_MADE_UP_FIELD", "7")
     with pytest.raises(LmopsError, match="LMOPS_MADE_UP_FIELD"):  # EngineConfig has no such field
         ServiceConfig.from_env()
+    unset_examples = {"kv_cache_memory": "1000000", "quantization": "int8"}  # fields whose default is None
     for f in dataclasses.fields(EngineConfig):
         value = getattr(EngineConfig(), f.name)
-        env = str(value).lower() if value is not None else "1000000"
+        env = str(value).lower() if value is not None else unset_examples[f.name]
         monkeypatch.setenv(f"LMOPS_{f.name.upper()}", env)
     monkeypatch.delenv("LMOPS_MADE_UP_FIELD")
     monkeypatch.setattr(config_module, "_ENGINE_FIELDS", config_module._ENGINE_FIELDS[:-1])
-    assert ServiceConfig.from_env().engine.kv_cache_memory == 1000000
+    engine = ServiceConfig.from_env().engine
+    assert engine.kv_cache_memory == 1000000 and engine.quantization == "int8"
