@@ -8,7 +8,8 @@ since workloads B and C need 640 and 528 tokens of context (the training default
 would not hold them). With --model, prompts are shortened to fit that model's context.
 
 Workloads (issue 3):
-  A  1 request, 128-token prompt, 128 new tokens: decode tokens/s vs HF generate (KV cache).
+  A  1 request, 128-token prompt, 128 new tokens: decode tokens/s vs HF generate (KV cache),
+     with the eager and the compiled decode path (engine/compiled.py) taking turns.
   B  64 requests, prompts 16-512 tokens, 128 new tokens: output tokens/s vs HF one by one
      and vs HF in left-padded static batches of 16.
   C  32 requests sharing a 512-token prefix + 16 own tokens: median TTFT, prefix caching
@@ -111,28 +112,27 @@ def greedy(new: int) -> SamplingParams:
 # -- workloads ----------------------------------------------------------------------------
 
 
-def workload_a(engine: LLMEngine, hf: HF, prompt_len: int, new: int, repeats: int) -> dict:
+def workload_a(engines: dict[str, LLMEngine], hf: HF, prompt_len: int, new: int, repeats: int) -> dict:
+    """Each engine (eager, compiled) and HF take turns, `repeats` times; medians."""
     rng = random.Random(1)
-    prompt = [rng.randrange(3, engine.config.vocab_size) for _ in range(prompt_len)]
-    ours, theirs = [], []
+    vocab = next(iter(engines.values())).config.vocab_size
+    prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+    ours: dict[str, list[float]] = {name: [] for name in engines}
+    theirs = []
     for _ in range(repeats):
-        out = engine.generate([prompt], greedy(new))[0]
-        m = out.metrics
-        ours.append((new - 1) / (m.last_token_time - m.first_token_time))
+        for name, engine in engines.items():
+            m = engine.generate([prompt], greedy(new))[0].metrics
+            ours[name].append((new - 1) / (m.last_token_time - m.first_token_time))
         t_first = hf.generate([prompt], 1)
         t_all = hf.generate([prompt], new)
         theirs.append((new - 1) / (t_all - t_first))
-    ours_tps, hf_tps = statistics.median(ours), statistics.median(theirs)
-    return {
-        "prompt_tokens": prompt_len,
-        "new_tokens": new,
-        "engine_decode_tok_s": ours_tps,
-        "hf_decode_tok_s": hf_tps,
-        "speedup": ours_tps / hf_tps,
-        "target": 1.5,
-        "engine_step_ms": 1000 / ours_tps,
-        "prompt": prompt,
-    }
+    hf_tps = statistics.median(theirs)
+    out = {"prompt_tokens": prompt_len, "new_tokens": new, "hf_decode_tok_s": hf_tps, "prompt": prompt}
+    for name, runs in ours.items():
+        tps = statistics.median(runs)
+        out[name] = {"decode_tok_s": tps, "speedup": tps / hf_tps, "step_ms": 1000 / tps, "runs": runs}
+    out["targets"] = {"speedup": 3.0, "compiled_step_ms": 1.2}
+    return out
 
 
 def workload_b(
@@ -205,7 +205,7 @@ def workload_c(model_dir: Path, device: str, n_req: int, prefix_len: int, own: i
     prompts = [prefix + [rng.randrange(3, V) for _ in range(own)] for _ in range(n_req)]
     out = {}
     for caching in (True, False):
-        engine = make_engine(model_dir, device, enable_prefix_caching=caching)
+        engine = make_engine(model_dir, device, enable_prefix_caching=caching, compile=False)
         outs = engine.generate(prompts, greedy(new))
         ttfts = [o.metrics.ttft for o in outs]
         out["on" if caching else "off"] = {
@@ -221,6 +221,30 @@ def workload_c(model_dir: Path, device: str, n_req: int, prefix_len: int, own: i
         target=5.0,
         ttft_ratio=out["off"]["median_ttft_s"] / out["on"]["median_ttft_s"],
     )
+    return out
+
+
+def decode_steps(engine: LLMEngine, prompt: list[int], steps: int) -> dict:
+    """engine.step() of one decoding request, alternating the compiled and the eager path
+    step by step, so that load from other jobs falls on both alike (min, p10, median ms)."""
+    decode = engine.runner.decode
+    engine.add_request("alternating", prompt, greedy(steps + 2))
+    engine.step()  # prefill
+    times: dict[str, list[float]] = {"compiled": [], "eager": []}
+    for i in range(steps):
+        name = "compiled" if i % 2 == 0 else "eager"
+        engine.runner.decode = decode if name == "compiled" else None
+        t = time.perf_counter()
+        engine.step()
+        sync(engine.device)
+        times[name].append(1000 * (time.perf_counter() - t))
+    engine.runner.decode = decode
+    engine.abort("alternating")
+    out = {}
+    for name, ms in times.items():
+        ms.sort()
+        out[name] = {"min_ms": ms[0], "p10_ms": ms[len(ms) // 10], "median_ms": statistics.median(ms)}
+    out["steps"] = steps
     return out
 
 
@@ -324,12 +348,15 @@ def table(r: dict) -> str:
     d = b["kv_waste"]
     rows = [
         (
-            "A: decode tok/s, 1 req",
-            f"{a['engine_decode_tok_s']:.0f}",
+            f"A: decode tok/s, 1 req, {name}",
+            f"{a[name]['decode_tok_s']:.0f} ({a[name]['step_ms']:.2f} ms/step)",
             f"{a['hf_decode_tok_s']:.0f} (HF generate)",
-            f"{a['speedup']:.2f}x",
-            ">= 1.5x",
-        ),
+            f"{a[name]['speedup']:.2f}x",
+            ">= 3x" + (", <= 1.2 ms" if name == "compiled" else ""),
+        )
+        for name in ("eager", "compiled")
+        if name in a
+    ] + [
         (
             "B: output tok/s, vs HF 1-by-1",
             f"{b['engine_tok_s']:.0f}",
@@ -371,7 +398,20 @@ def table(r: dict) -> str:
     f = r["floor"]
     out += [
         "",
-        f"A decode step: {f['decode_step_ms']:.2f} ms (profiled {f['profiled_step_ms']:.2f} ms); "
+        f"compiled decode: batch sizes {r['compile']['batch_sizes']} compiled at engine start in "
+        f"{r['compile']['seconds']:.1f} s; load average before/after {r['load_average_before_after']}",
+        *(
+            [
+                "decode step alternating compiled / eager (ms, min / p10 / median): "
+                + " vs ".join(
+                    "{min_ms:.2f} / {p10_ms:.2f} / {median_ms:.2f}".format(**r["decode_steps"][k])
+                    for k in ("compiled", "eager")
+                )
+            ]
+            if "decode_steps" in r
+            else []
+        ),
+        f"A eager decode step: {f['decode_step_ms']:.2f} ms (profiled {f['profiled_step_ms']:.2f} ms); "
         f"weights {f['weight_bytes'] / 2**20:.1f} MiB; floor {f['floor_ms_dram']:.3f} ms at "
         f"{f['dram_bandwidth_gb_s']:.1f} GB/s (1 GiB copy), {f['floor_ms_cache']:.3f} ms at "
         f"{f['cache_bandwidth_gb_s_8mib']:.1f} GB/s (8 MiB copy, cache-resident)",
@@ -419,7 +459,13 @@ def main(argv: list[str] | None = None) -> dict:
         model_dir, source = args.model, str(args.model)
     q = args.quick
     new = 32 if q else 128
-    engine = make_engine(model_dir, args.device)
+    # A: the eager and the compiled decode path side by side (compile=True regardless of
+    # LMOPS_COMPILE); B serves with the default (compiled unless LMOPS_COMPILE=0); C measures
+    # prefill TTFT, which compiling does not change, so its engines skip the compile.
+    engine = make_engine(model_dir, args.device, compile=False)
+    t = time.perf_counter()
+    compiled = make_engine(model_dir, args.device, compile=True)
+    compile_s = time.perf_counter() - t
     ctx = engine.max_model_len
     hi = min(512, ctx - new)
     hf = HF(model_dir, device, dtype)
@@ -439,14 +485,26 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
     }
     load_before = os.getloadavg()  # 1-minute averages: was anything else running?
-    res["A"] = workload_a(engine, hf, min(128, ctx - new), new, repeats=2 if q else 3)
+    decode = compiled.runner.decode
+    res["compile"] = {
+        "batch_sizes": decode.sizes if decode else [],
+        "seconds": decode.compile_seconds if decode else 0.0,
+        "engine_start_s": compile_s,
+        "inductor_cache_dir": os.environ.get(
+            "TORCHINDUCTOR_CACHE_DIR", "default (/tmp/torchinductor_<user>)"
+        ),
+    }
+    engines = {"eager": engine, "compiled": compiled} if decode else {"eager": engine}
+    res["A"] = workload_a(engines, hf, min(128, ctx - new), new, repeats=2 if q else 3)
     n_b = 16 if q else 64
     one_by_one = args.hf_one_by_one or (4 if q else n_b)
-    res["B"] = workload_b(
-        make_engine(model_dir, args.device), hf, n_b, 16, hi, new, one_by_one, rounds=1 if q else args.rounds
-    )
+    b_engine = make_engine(model_dir, args.device)
+    res["B"] = workload_b(b_engine, hf, n_b, 16, hi, new, one_by_one, rounds=1 if q else args.rounds)
+    res["B"]["compiled_decode"] = b_engine.runner.decode is not None
     res["C"] = workload_c(model_dir, args.device, 8 if q else 32, min(512, ctx - 16 - 16), 16, 16)
-    res["floor"] = decode_floor(engine, res["A"].pop("prompt"), res["A"]["engine_step_ms"])
+    if decode:
+        res["decode_steps"] = decode_steps(compiled, res["A"]["prompt"], 100 if q else 400)
+    res["floor"] = decode_floor(engine, res["A"].pop("prompt"), res["A"]["eager"]["step_ms"])
     res["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     print(table(res))
     out = args.out or RESULTS / f"engine-{device.type}{'-quick' if q else ''}.json"

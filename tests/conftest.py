@@ -16,6 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
+# Engines decode eagerly in tests (compiling costs seconds per engine), here and in the
+# subprocesses that inherit this environment; test_compiled.py turns it on where it is tested.
+os.environ["LMOPS_COMPILE"] = "0"
+
 # Small enough that a whole `dvc repro` takes seconds, big enough to exercise every stage.
 TINY_PARAMS = {
     "data": {"source": "python-stdlib", "max_bytes": 400_000},

@@ -96,7 +96,10 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
     meta = read_model_meta(model_dir)
     text, test_sha = read_test_split(data_dir)
     # One load: the engine's model also scores the test split.
-    engine = LLMEngine.from_pretrained(model_dir, device=params.train.device, max_num_seqs=len(cfg.prompts))
+    # A handful of samples does not repay compiling the decode step (engine/compiled.py).
+    engine = LLMEngine.from_pretrained(
+        model_dir, device=params.train.device, max_num_seqs=len(cfg.prompts), compile=False
+    )
     result = score(engine.model, engine.tokenizer, text, cfg)
     metrics = {f"test_{k}": v for k, v in result.items()}
     metrics["val_loss"] = meta.get("metrics", {}).get("val_loss")

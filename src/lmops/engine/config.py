@@ -7,7 +7,8 @@ changes here and nowhere else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from lmops.quantize import check_method
 
@@ -16,6 +17,27 @@ def positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return value
+
+
+def compile_default() -> bool:
+    """On unless LMOPS_COMPILE is false: the one switch for the CLI, service, benchmarks
+    and tests (tests/conftest.py turns it off; compiling costs seconds per engine)."""
+    value = os.environ.get("LMOPS_COMPILE", "").strip().lower() or "1"  # empty = unset
+    if value not in _BOOLS:
+        raise ValueError(f"LMOPS_COMPILE must be one of {sorted(_BOOLS)}, got {value!r}")
+    return _BOOLS[value]
+
+
+_BOOLS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
 
 
 @dataclass(frozen=True)
@@ -27,6 +49,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Compiled decode steps on CPU (engine/compiled.py); compiles at engine start.
+    compile: bool = field(default_factory=compile_default)
     # Fraction of requests whose prompt the engine also scores in bits/byte (the drift signal,
     # `lmops:prompt_bits_per_byte`); 0 disables it.
     drift_sample: float = 0.1

@@ -73,10 +73,13 @@ class LLMEngine:
         self.device, self.dtype = param.device, param.dtype
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else [cfg.eos_token_id])
         num_blocks = self._num_blocks(engine_config.kv_cache_memory)
-        self.pool = KVPool(cfg, num_blocks, self.block_size, self.device, self.dtype)
+        # The compiled decode path (CPU only: no CUDA graphs yet) pads batches with rows
+        # that write into one extra block, which the block manager never hands out.
+        compile_up_to = self.max_num_seqs if engine_config.compile and self.device.type == "cpu" else 0
+        self.pool = KVPool(cfg, num_blocks + bool(compile_up_to), self.block_size, self.device, self.dtype)
         self.block_manager = BlockManager(num_blocks, self.block_size, engine_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, compile_up_to)
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()

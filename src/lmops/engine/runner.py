@@ -18,15 +18,19 @@ Its output equals model.py's (the parity tests compare logits to 1e-5).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lmops.engine.compiled import CompiledDecode
 from lmops.engine.kv_cache import KVPool
 from lmops.engine.sequence import Sequence
 from lmops.model import Llama, rope_cos_sin
+
+log = logging.getLogger(__name__)
 
 # On CPU a context group is padded to its longest member and a new group starts when padding
 # would exceed this fraction of the group's real blocks (gathers cost memory bandwidth). On
@@ -215,9 +219,18 @@ def context_groups(
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, pool: KVPool):
+    """`compile_up_to` > 0 compiles decode steps of up to that many sequences (compiled.py),
+    with the pool's last block, which the block manager must not hand out, as scratch."""
+
+    def __init__(self, model: Llama, pool: KVPool, compile_up_to: int = 0):
         self.model, self.pool = model, pool
         self.forward = FusedForward(model)
+        self.decode: CompiledDecode | None = None
+        if compile_up_to:
+            try:
+                self.decode = CompiledDecode(self.forward, pool, pool.num_blocks - 1, compile_up_to)
+            except Exception as exc:  # e.g. no C++ compiler in a slim image: eager still works
+                log.warning("compiled decode unavailable, decoding eagerly: %s", exc)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = pool.block_size
@@ -295,6 +308,8 @@ class ModelRunner:
         """Run the step; float32 logits, one row per sequence that reaches its last token
         (`num_computed_tokens + num_new == num_tokens`), in `seqs` order."""
         self.pool.copy_blocks(list(copies))
+        if self.decode is not None and (logits := self.decode.run(seqs, num_new)) is not None:
+            return logits
         input_ids, positions, attn, last = self.prepare(seqs, num_new)
         with sdpa_kernel(_SDPA_BACKENDS):
             h = self.forward(input_ids, positions, attn)

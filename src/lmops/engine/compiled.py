@@ -1,0 +1,144 @@
+"""The compiled decode step: a pure-decode batch padded up to one of a few batch sizes, each
+compiled once at engine start, so a step runs as one generated kernel sequence instead of
+a few hundred eagerly dispatched small ops (at batch 1 a decode step is mostly that
+overhead; see benchmarks/README.md). Any other step (prefills, mixed batches, more
+sequences than the largest size) takes the runner's eager path.
+
+CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs
+for the GPU are not written yet (nothing here could test them), so CUDA stays eager.
+
+The graph is `FusedForward` itself, traced with a decode-only attention whose shapes are
+fixed per batch size except the block-table width (symbolic, so contexts of any length
+share one graph). It returns the step's K/V, which the runner writes into the pool after
+the graph; padding rows write theirs into a scratch block that the engine reserves past
+the block manager's blocks, and their logits are dropped. Inductor caches its generated
+code on disk (TORCHINDUCTOR_CACHE_DIR, default under /tmp), so a restart compiles faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from lmops.engine.kv_cache import KVPool
+from lmops.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from lmops.engine.runner import FusedForward
+
+log = logging.getLogger(__name__)
+
+# Powers of two, as vLLM's CUDA-graph sizes: a batch pads to the next one. The gain
+# shrinks as a step's matrix products grow (measured in benchmarks/README.md: clear at 4
+# sequences, within noise at 16), so larger steps stay eager and engine start stays short.
+BATCH_SIZES = (1, 2, 4, 8, 16)
+
+
+class DecodeAttention:
+    """`PagedAttention` for B single-token decodes, in tensors only (so that it traces).
+
+    It reads the pool but does not write it: each token attends to its cached context plus
+    its own new K/V, which are collected in `new_kv` and written by the caller after the
+    graph (an in-graph write made inductor copy the whole pool layer, every layer).
+    """
+
+    def __init__(self, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor):
+        self.kv, self.tables = kv, tables
+        self.new_kv: list[torch.Tensor] = []
+        width = tables.shape[1] * kv.shape[3]
+        # (1, B, 1, keys + 1): cached key j of member b is visible iff j < its context
+        # length - 1 (the positions before the new token); the new token's own key always.
+        valid = torch.arange(width + 1, device=kv.device) < lens[:, None] - 1
+        valid[:, -1] = True
+        self.mask = torch.zeros(valid.shape, dtype=kv.dtype, device=kv.device)
+        self.mask = self.mask.masked_fill(~valid, float("-inf"))[None, :, None]
+
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q: (B, H, D); kv: (B, 2 * Hkv, D) -> (B, H, D)."""
+        B, H, D = q.shape
+        Hkv = kv.shape[1] // 2
+        new = kv.transpose(0, 1)  # (2Hkv, B, D)
+        self.new_kv.append(new)
+        ctx = self.kv[layer].index_select(1, self.tables.view(-1)).view(2 * Hkv, B, -1, D)
+        ctx = torch.cat((ctx, new[:, :, None]), 2)
+        qg = q.view(B, Hkv, H // Hkv, D).transpose(0, 1)  # (Hkv, B, G, D)
+        y = F.scaled_dot_product_attention(qg, ctx[:Hkv], ctx[Hkv:], attn_mask=self.mask)
+        return y.transpose(0, 1).reshape(B, H, D)
+
+
+class CompiledDecode:
+    """Decode steps of up to `max(sizes)` sequences through per-size compiled graphs."""
+
+    def __init__(self, forward: FusedForward, pool: KVPool, scratch_block: int, max_num_seqs: int):
+        self.forward, self.pool = forward, pool
+        self.block_size = pool.block_size
+        self.scratch_slot = scratch_block * pool.block_size
+        self.scratch_block = scratch_block
+        # Every size below max_num_seqs, and the first one that holds it.
+        self.sizes = [b for b in BATCH_SIZES if b < max_num_seqs]
+        self.sizes += [b for b in BATCH_SIZES if b >= max_num_seqs][:1]
+        model = forward.model
+        self.device = model.lm_head.weight.device
+        # One dynamo cache entry per size and engine (all share `_eager_step`'s code): room
+        # for this engine's, on top of any other engine's in the process.
+        torch._dynamo.config.recompile_limit += len(self.sizes)
+        self._step = torch.compile(self._eager_step, fullgraph=True)
+        self.warm = False
+        t = time.perf_counter()
+        with torch.inference_mode():
+            for b in self.sizes:
+                self._run([], b)
+        self.compile_seconds = time.perf_counter() - t
+        self.warm = True
+        log.info("compiled decode for batch sizes %s in %.1f s", self.sizes, self.compile_seconds)
+
+    def _eager_step(self, ids, positions, tables, lens) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, vocab) and the step's K/V of every layer, (layers, 2 * Hkv, B, D)."""
+        attn = DecodeAttention(self.pool.kv, tables, lens)
+        h = self.forward(ids, positions, attn)
+        h = self.forward._norm(h, self.forward.model.model.norm.weight)
+        return F.linear(h, self.forward.model.lm_head.weight).float(), torch.stack(attn.new_kv)
+
+    def _run(self, seqs: list[Sequence], size: int) -> torch.Tensor:
+        ids, pos, slots, tables, lens = self._inputs(seqs, size)
+        # Every size was compiled at start, so only the guards that tell the sizes apart
+        # need checking; checking all of them (every weight's shape, dtype, ...) cost more
+        # than the graph itself at batch 1.
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.warm):
+            logits, new_kv = self._step(ids, pos, tables, lens)
+        kv = self.pool.kv
+        L, H2, nb, bs, D = kv.shape
+        kv.view(L, H2, nb * bs, D).index_copy_(2, slots, new_kv)
+        return logits[: len(seqs)]
+
+    def _inputs(self, seqs: list[Sequence], size: int):
+        """Ids, positions, slots, block tables and context lengths, padded to `size` rows."""
+        bs = self.block_size
+        width = max([-(-s.num_tokens // bs) for s in seqs] + [2])
+        rows = []
+        for s in seqs:
+            p = s.num_tokens - 1
+            rows.append([s.token_ids[p], p, s.block_table[p // bs] * bs + p % bs, p + 1])
+        rows += [[0, 0, self.scratch_slot, 1]] * (size - len(seqs))
+        tables = [s.block_table[: -(-s.num_tokens // bs)] for s in seqs]
+        tables += [[self.scratch_block]] * (size - len(seqs))
+        tables = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables])
+        ids, pos, slots, lens = torch.tensor(rows).T.to(self.device)
+        tables = tables.to(self.device)
+        # Width (blocks per member) varies every few steps: one graph for all widths. Two
+        # blocks at least: a symbolic size of 1 would be specialised.
+        torch._dynamo.mark_dynamic(tables, 1)
+        return ids, pos, slots, tables, lens
+
+    def run(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor | None:
+        """Logits (len(seqs), vocab) if this is a decode step it serves, else None."""
+        if len(seqs) > self.sizes[-1] or any(n != 1 for n in num_new):
+            return None
+        if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):
+            return None
+        size = next(b for b in self.sizes if b >= len(seqs))
+        return self._run(seqs, size)

@@ -1,0 +1,100 @@
+"""The compiled decode path (engine/compiled.py): same greedy tokens as the eager path,
+padded batches included, and a clean fall back to eager where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmops.engine import LLMEngine, SamplingParams
+from lmops.engine import compiled as compiled_module
+from lmops.engine.config import EngineConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def test_lmops_compile_env_sets_the_default(monkeypatch):
+    monkeypatch.setenv("LMOPS_COMPILE", "0")
+    assert EngineConfig().compile is False
+    monkeypatch.setenv("LMOPS_COMPILE", "1")
+    assert EngineConfig().compile is True
+    monkeypatch.delenv("LMOPS_COMPILE")
+    assert EngineConfig().compile is True
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(model_dir):
+    """max_num_seqs 3: batch sizes 1, 2 and 4, so a 3-sequence step is padded."""
+    return LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=True)
+
+
+def test_compiled_greedy_matches_eager(model_dir, compiled_engine, prompts, all_blocks_free):
+    engine = compiled_engine
+    assert engine.runner.decode is not None and engine.runner.decode.sizes == [1, 2, 4]
+    served = []
+    run = engine.runner.decode.run
+    engine.runner.decode.run = lambda seqs, num_new: served.append(r := run(seqs, num_new)) or r
+    eager = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=False)
+    assert eager.runner.decode is None
+    # Alone, then 5 mixed-length prompts 3 at a time: prefills and mixed steps run eagerly,
+    # pure decode steps of 1, 2 and 3 (padded to 4) sequences through the graphs.
+    for batch in ([prompts[3]], prompts[4:9]):
+        got = [o.token_ids for o in engine.generate(batch, GREEDY)]
+        assert got == [o.token_ids for o in eager.generate(batch, GREEDY)]
+    sizes = {len(r) for r in served if r is not None}
+    assert sizes == {1, 2, 3}
+    all_blocks_free(engine)
+
+
+def test_padding_rows_leave_the_managed_blocks_alone(compiled_engine, prompts):
+    """Padding rows write only into the scratch block, which the block manager never hands out."""
+    engine = compiled_engine
+    scratch = engine.runner.decode.scratch_block
+    assert scratch == engine.block_manager.num_blocks == engine.pool.num_blocks - 1
+    before = engine.pool.kv[:, :, :scratch].clone()
+    with torch.inference_mode():  # as the runner calls it (another mode would recompile)
+        engine.runner.decode._run([], 4)
+    assert torch.equal(engine.pool.kv[:, :, :scratch], before)
+
+
+def test_compile_failure_falls_back_to_eager(model_dir, prompts, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compiled_module.torch, "compile", broken)
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=2, compile=True)
+    assert engine.runner.decode is None
+    assert "decoding eagerly: no C++ compiler" in caplog.text
+    assert len(engine.generate([prompts[2]], GREEDY)[0].token_ids) == GREEDY.max_tokens
+
+
+def test_two_compiled_engines_keep_their_own_weights(model_dir, compiled_engine, prompts):
+    """Graphs are cached per code object and guards are mostly skipped after warm-up
+    (compiled.py): a second engine's steps must still read its own weights."""
+    other = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=True)
+    with torch.no_grad():
+        other.model.model.norm.weight.mul_(-1)  # argmax becomes argmin: other tokens
+    batch = prompts[10:13]
+    got = [o.token_ids for o in other.generate(batch, GREEDY)]
+    decode, other.runner.decode = other.runner.decode, None
+    assert got == [o.token_ids for o in other.generate(batch, GREEDY)]
+    other.runner.decode = decode
+    assert got != [o.token_ids for o in compiled_engine.generate(batch, GREEDY)]
+
+
+def test_lmops_compile_env_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("LMOPS_COMPILE", "maybe")
+    with pytest.raises(ValueError, match="LMOPS_COMPILE must be one of"):
+        EngineConfig()
+
+
+def test_compiled_int8_matches_eager_int8(model_dir, prompts):
+    """The quantized weights (lmops.quantize) trace into the graph like float ones."""
+    engines = [
+        LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=2, quantization="int8", compile=c)
+        for c in (True, False)
+    ]
+    assert engines[0].runner.decode is not None
+    batch = prompts[5:7]
+    compiled, eager = ([o.token_ids for o in e.generate(batch, GREEDY)] for e in engines)
+    assert compiled == eager
