@@ -71,9 +71,12 @@ RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
     /opt/venv/bin/pip install --no-deps .
 
 # --- runtime: the environment, the service, the model; non-root ------------------
+# No C++ compiler here (nor torch's headers), so no compiled decode: LMOPS_COMPILE=0
+# decodes eagerly from the start instead of failing a compile at every engine start.
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS runtime
 ENV PATH=/opt/venv/bin:$PATH \
+    LMOPS_COMPILE=0 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
