@@ -65,6 +65,16 @@ image_tag() {
   echo "$tag"
 }
 
+# seconds DURATION: a kubectl-style duration (90, 90s, 10m, 1h) in seconds.
+seconds() {
+  [[ "$1" =~ ^([0-9]+)([smh]?)$ ]] || die "not a duration: '$1' (e.g. 90s, 10m, 1h)"
+  case "${BASH_REMATCH[2]}" in
+    h) echo $((BASH_REMATCH[1] * 3600)) ;;
+    m) echo $((BASH_REMATCH[1] * 60)) ;;
+    *) echo "${BASH_REMATCH[1]}" ;;
+  esac
+}
+
 # The registry (acr or ecr) a cloud pulls from.
 registry_for() {
   case "$1" in

@@ -42,6 +42,11 @@ SECRETS = {
 UNSET = (
     "CLOUD",
     "GPU",
+    "CANARY",
+    "CANARY_PERCENT",
+    "ROLLOUT_TIMEOUT",
+    "ROLLOUT_POLL",
+    "PROMETHEUS_URL",
     "DRY_RUN",
     "IMAGE",
     "KUBEFLOW_REGISTRY",

@@ -73,6 +73,23 @@ DRY_RUNS = [
         ],
     ),
     (
+        "deploy.sh",
+        (),
+        {"CLOUD": "aks", "CANARY": "true"},
+        [
+            f"rendered deploy/aks/canary with image {ACR}:0123abcd",
+            "kubectl apply --filename",
+            "kubectl --namespace lmops get rollout lmops --output",
+            "kubectl --namespace lmops delete deployment lmops --ignore-not-found",
+        ],
+    ),
+    (
+        "deploy.sh",
+        (),
+        {"CLOUD": "eks", "CANARY": "1", "GPU": "1"},
+        [f"rendered deploy/eks/canary/gpu with image {ECR}:0123abcd-cuda", "get rollout lmops"],
+    ),
+    (
         "kubeflow.sh",
         ("deploy",),
         {},
