@@ -6,11 +6,86 @@ Prometheus, an analysis stuck inconclusive. Rendering and validation are real.""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.deploy.conftest import run_script
+from tests.deploy.conftest import REPO, run_script
+from tests.deploy.test_kubernetes import validate
+
+CANARY_OVERLAYS = ["aks/canary", "aks/canary/gpu", "eks/canary", "eks/canary/gpu"]
+
+
+def render(kubectl: str, overlay: str) -> str:
+    proc = subprocess.run(
+        [kubectl, "kustomize", f"deploy/{overlay}"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("overlay", CANARY_OVERLAYS)
+def test_canary_overlay_is_the_plain_one_with_a_rollout(kubectl, overlay, tmp_path):
+    """Valid against the Argo Rollouts CRD schemas; the Rollout runs exactly the pods
+    of the plain overlay's Deployment; everything else is unchanged but the HPA's target."""
+    text = render(kubectl, overlay)
+    (tmp_path / "rendered.yaml").write_text(text)
+    proc = validate(tmp_path / "rendered.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    canary = {d["kind"]: d for d in yaml.safe_load_all(text)}
+    plain = {
+        d["kind"]: d
+        for d in yaml.safe_load_all(render(kubectl, overlay.replace("canary/", "").replace("/canary", "")))
+    }
+    assert "Deployment" not in canary and set(canary) == set(plain) - {"Deployment"} | {
+        "Rollout",
+        "AnalysisTemplate",
+    }
+    rollout, deployment = canary["Rollout"], plain["Deployment"]
+    assert rollout["spec"]["template"] == deployment["spec"]["template"]
+    assert rollout["spec"]["selector"] == deployment["spec"]["selector"]
+    assert rollout["spec"]["progressDeadlineAbort"] is True
+    steps = rollout["spec"]["strategy"]["canary"]["steps"]
+    assert [s.get("setWeight") for s in steps if "setWeight" in s] == [10, 50]
+    analyses = [s["analysis"] for s in steps if "analysis" in s]
+    assert len(analyses) == 2 and steps[-1] == {"analysis": analyses[0]}  # the last gate before 100 %
+    template = canary["AnalysisTemplate"]
+    for analysis in analyses:
+        assert analysis["templates"] == [{"templateName": template["metadata"]["name"]}]
+        given = {a["name"] for a in analysis["args"]}
+        needed = {a["name"] for a in template["spec"]["args"] if "value" not in a}
+        assert given == needed == {"canary-hash", "stable-hash", "namespace"}
+    target = canary["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]
+    assert target == {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "name": "lmops"}
+    for kind in ("Service", "PodDisruptionBudget", "Namespace"):
+        assert canary[kind] == plain[kind]
+    assert all(d["metadata"].get("namespace") == "lmops" for k, d in canary.items() if k != "Namespace")
+
+
+def test_analysis_metrics_compare_canary_with_stable_within_margins(kubectl):
+    template = next(
+        d for d in yaml.safe_load_all(render(kubectl, "aks/canary")) if d["kind"] == "AnalysisTemplate"
+    )
+    margins = {a["name"]: float(a["value"]) for a in template["spec"]["args"] if a["name"].startswith("max-")}
+    assert margins == {
+        "max-5xx-ratio-increase": 0.01,
+        "max-ttft-p95-ratio": 1.5,
+        "max-prompt-drift-ratio": 1.1,
+    }
+    metrics = {m["name"]: m for m in template["spec"]["metrics"]}
+    assert set(metrics) == {"error-ratio", "ttft-p95", "prompt-drift"}
+    for metric in metrics.values():
+        query = metric["provider"]["prometheus"]["query"]
+        assert "{{args.canary-hash}}" in query and "{{args.stable-hash}}" in query
+        assert metric["provider"]["prometheus"]["address"] == "{{args.prometheus-address}}"
+        # Pass within the margin, fail beyond it, inconclusive on NaN (neither holds).
+        margin = metric["successCondition"].split("<= ")[1]
+        assert metric["successCondition"] == f"result[0] <= {margin}" and margin.startswith("{{args.max-")
+        assert metric["failureCondition"] == f"result[0] > {margin}"
+        assert metric["failureLimit"] <= 1 and metric["consecutiveErrorLimit"] <= 2
+
 
 REPORT_FAILED = """analysis lmops-6f9c-2-1: Failed Metric "error-ratio" assessed Failed due to failed (2) > failureLimit (1)
   error-ratio: Failed (2 measurements, 2 failed, 0 inconclusive, 0 errors) last value [0.31]
@@ -113,3 +188,21 @@ def test_rollout_timeout_must_be_a_duration(tmp_path, kubectl):
     proc, calls = deploy(tmp_path, kubectl, ["1 1 Healthy"], ROLLOUT_TIMEOUT="soon")
     assert proc.returncode == 1 and "not a duration: 'soon'" in proc.stderr
     assert calls == []  # stopped before touching the cluster
+
+
+def test_argo_rollouts_kinds_are_validated_strictly(kubectl, tmp_path):
+    """An unknown field, or a wrong type anywhere (the pod template included), is an
+    error that says where."""
+    docs = {d["kind"]: d for d in yaml.safe_load_all(render(kubectl, "eks/canary"))}
+    rollout, template = docs["Rollout"], docs["AnalysisTemplate"]
+    rollout["spec"]["strategy"]["canary"]["stepz"] = []
+    template["spec"]["metrics"][0]["interval"] = 60  # a duration string
+    broken = yaml.safe_load(yaml.safe_dump(rollout))
+    del broken["spec"]["strategy"]["canary"]["stepz"]
+    broken["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "http"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump_all([rollout, template, broken]))
+    proc = validate(tmp_path / "bad.yaml")
+    assert proc.returncode == 1 and proc.stdout.count("FAIL") == 3, proc.stdout
+    assert "spec.strategy.canary: Additional properties are not allowed ('stepz'" in proc.stdout
+    assert "spec.metrics.0.interval: 60 is not of type 'string'" in proc.stdout
+    assert "spec.template.spec.containers.0.ports.0.containerPort: 'http' is not of type" in proc.stdout
