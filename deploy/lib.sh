@@ -139,12 +139,13 @@ use_cluster() {
   esac
 }
 
-# render SOURCE FROM TO [NAMESPACE]: SOURCE (a kustomization folder or one
+# render SOURCE FROM TO [NAMESPACE [PATCH]]: SOURCE (a kustomization folder or one
 # manifest file) with the image named FROM replaced by TO (name:tag), moved to
-# NAMESPACE when given, plus the Secret lmops-api-key when LMOPS_API_KEY is set.
-# Writes $WORK/manifests.yaml and validates it (deploy/validate.py).
+# NAMESPACE when given, PATCH (a file, a strategic merge patch) applied, plus the
+# Secret lmops-api-key when LMOPS_API_KEY is set. Writes $WORK/manifests.yaml and
+# validates it (deploy/validate.py).
 render() {
-  local source=$1 from=$2 to=$3 namespace=${4:-} dir="$WORK/render"
+  local source=$1 from=$2 to=$3 namespace=${4:-} patch=${5:-} dir="$WORK/render"
   rm -rf "$dir" && mkdir -p "$dir"
   if [ -d "$source" ]; then
     source=$(python -c 'import os, sys; print(os.path.relpath(*sys.argv[1:]))' "$source" "$dir")
@@ -157,6 +158,10 @@ render() {
     if [ -n "$namespace" ]; then echo "namespace: $namespace"; fi
     echo "resources: [$source]"
     echo "images: [{name: $from, newName: ${to%:*}, newTag: ${to##*:}}]"
+    if [ -n "$patch" ]; then
+      cp "$patch" "$dir/patch.yaml"
+      echo "patches: [{path: patch.yaml}]"
+    fi
     if [ -n "${LMOPS_API_KEY:-}" ]; then
       (umask 077 && printf '%s' "$LMOPS_API_KEY" >"$dir/api-key")
       echo "secretGenerator: [{name: lmops-api-key, files: [api-key], options: {disableNameSuffixHash: true}}]"

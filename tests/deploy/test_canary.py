@@ -6,6 +6,7 @@ Prometheus, an analysis stuck inconclusive. Rendering and validation are real.""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import yaml
 
 from tests.deploy.conftest import REPO, run_script
 from tests.deploy.test_kubernetes import validate
+from tests.deploy.test_smoke import free_port
 
 CANARY_OVERLAYS = ["aks/canary", "aks/canary/gpu", "eks/canary", "eks/canary/gpu"]
 
@@ -206,3 +208,88 @@ def test_argo_rollouts_kinds_are_validated_strictly(kubectl, tmp_path):
     assert "spec.strategy.canary: Additional properties are not allowed ('stepz'" in proc.stdout
     assert "spec.metrics.0.interval: 60 is not of type 'string'" in proc.stdout
     assert "spec.template.spec.containers.0.ports.0.containerPort: 'http' is not of type" in proc.stdout
+
+
+def kubeflow_cluster(tmp_path: Path, kubectl: str, ready: bool, revisions: str) -> tuple[str, Path]:
+    """A stand-in for the Kubeflow cluster: `wait` succeeds when `ready`, the
+    InferenceService reports `revisions` (latest, previous); applied manifests are kept."""
+    log = tmp_path / "calls.log"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").write_text(f"""#!/bin/sh
+[ "$1" = kustomize ] && exec {kubectl} "$@"
+echo "kubectl $*" >> {log}
+case "$*" in
+  apply*) cp "$3" {tmp_path / "applied.yaml"} ;;
+  *"wait inferenceservice/lmops"*) {"exit 0" if ready else "exit 1"} ;;
+  *"get inferenceservice lmops --output"*) echo "{revisions}" ;;
+esac
+""")
+    (bin_dir / "kubectl").chmod(0o755)
+    return str(bin_dir), log
+
+
+def kubeflow_deploy(
+    tmp_path, kubectl, ready=True, revisions="lmops-predictor-00002 lmops-predictor-00001", **env
+):
+    bin_dir, log = kubeflow_cluster(tmp_path, kubectl, ready, revisions)
+    env = {
+        "CANARY": "1",
+        "PROMETHEUS_URL": f"http://127.0.0.1:{free_port()}",
+        "ANALYSIS_INTERVAL": "0",
+        **env,
+    }
+    proc = run_script("kubeflow.sh", "deploy", path_prefix=bin_dir, **env)
+    calls = log.read_text().splitlines() if log.exists() else []
+    return proc, calls
+
+
+def traffic(calls: list[str]) -> list[int]:
+    """The canaryTrafficPercent values patched, in order."""
+    return [
+        int(re.search(r'"canaryTrafficPercent":(\d+)', c).group(1))
+        for c in calls
+        if "patch inferenceservice" in c
+    ]
+
+
+def test_kubeflow_canary_gets_its_share_and_a_never_ready_one_is_rolled_back(tmp_path, kubectl):
+    proc, calls = kubeflow_deploy(tmp_path, kubectl, ready=False, CANARY_PERCENT="25")
+    isvc = yaml.safe_load((tmp_path / "applied.yaml").read_text().split("\n---\n")[-1])
+    assert isvc["kind"] == "InferenceService" and isvc["spec"]["predictor"]["canaryTrafficPercent"] == 25
+    assert proc.returncode == 1 and "the previous revision keeps serving" in proc.stderr
+    assert traffic(calls) == [0]
+    assert "canary_analysis" not in proc.stderr  # nothing to analyse
+
+
+def test_kubeflow_canary_without_prometheus_is_rolled_back(tmp_path, kubectl):
+    """The analysis for real, against a Prometheus that is not there: inconclusive."""
+    proc, calls = kubeflow_deploy(tmp_path, kubectl)
+    assert proc.returncode == 1, proc.stderr
+    assert traffic(calls) == [0]
+    for text in (
+        "did not answer",
+        "analysis: Error",
+        "the analysis was inconclusive",
+        "not promoted: rolled back",
+    ):
+        assert text in proc.stdout + proc.stderr, text
+    assert "lmops-predictor-00001 serves all traffic" in proc.stderr
+
+
+def test_kubeflow_first_revision_needs_no_analysis(tmp_path, kubectl):
+    proc, calls = kubeflow_deploy(tmp_path, kubectl, revisions="lmops-predictor-00001")
+    assert proc.returncode == 0, proc.stderr
+    assert traffic(calls) == [100] and "no previous revision" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"PROMETHEUS_URL": ""}, "set PROMETHEUS_URL"),
+        ({"CANARY_PERCENT": "100"}, "CANARY_PERCENT must be 1 to 99 (got '100')"),
+    ],
+)
+def test_kubeflow_canary_settings_are_checked_first(tmp_path, kubectl, env, message):
+    proc, calls = kubeflow_deploy(tmp_path, kubectl, **env)
+    assert proc.returncode == 1 and message in proc.stderr and calls == []

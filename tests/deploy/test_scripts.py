@@ -96,12 +96,34 @@ DRY_RUNS = [
         ["kubectl apply --filename", "wait inferenceservice/lmops --for=condition=Ready"],
     ),
     ("kubeflow.sh", ("deploy",), {"GPU": "1"}, ["kubectl apply --filename"]),
+    (
+        "kubeflow.sh",
+        ("deploy",),
+        {"CANARY": "true", "PROMETHEUS_URL": "http://prometheus.invalid:9090"},
+        [
+            "kubectl apply --filename",
+            "wait inferenceservice/lmops --for=condition=Ready",
+            "get inferenceservice lmops --output jsonpath=",
+            "python deploy/canary_analysis.py --prometheus http://prometheus.invalid:9090",
+            "--arg canary-hash=CANARY_REVISION --arg stable-hash=STABLE_REVISION",
+            '--patch \\{\\"spec\\":\\{\\"predictor\\":\\{\\"canaryTrafficPercent\\":100',
+        ],
+    ),
     ("kubeflow.sh", ("train",), {}, ["delete pytorchjob lmops-train --ignore-not-found", "kubectl apply"]),
     (
         "kubeflow.sh",
         ("pipeline",),
         {},
         ["python kubeflow/pipeline.py submit --host https://kfp.invalid --package"],
+    ),
+    (
+        "kubeflow.sh",
+        ("schedule",),
+        {"KFP_CRON": "0 30 1 * * *"},
+        [
+            "python kubeflow/pipeline.py schedule --host https://kfp.invalid",
+            "--cron 0\\ 30\\ 1\\ \\*\\ \\*\\ \\*",
+        ],
     ),
     (
         "smoke_test.sh",
