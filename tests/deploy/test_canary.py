@@ -7,13 +7,14 @@ Prometheus, an analysis stuck inconclusive. Rendering and validation are real.""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.deploy.conftest import REPO, run_script
+from tests.deploy.conftest import REPO, run_script, script_env
 from tests.deploy.test_kubernetes import validate
 from tests.deploy.test_smoke import free_port
 
@@ -293,3 +294,77 @@ def test_kubeflow_first_revision_needs_no_analysis(tmp_path, kubectl):
 def test_kubeflow_canary_settings_are_checked_first(tmp_path, kubectl, env, message):
     proc, calls = kubeflow_deploy(tmp_path, kubectl, **env)
     assert proc.returncode == 1 and message in proc.stderr and calls == []
+
+
+def retrain(tmp_path: Path, promotion_after: str | None, promotion_before: str | None = None):
+    """deploy/dvc.sh pull refresh repro push in a copy of the deploy scripts (so the
+    workspace is tmp_path) with a stand-in dvc: `dvc repro` writes `promotion_after`."""
+    shutil.copytree(REPO / "deploy", tmp_path / "deploy", ignore=shutil.ignore_patterns("__pycache__"))
+    promotion = tmp_path / "artifacts" / "promotion.json"
+    promotion.parent.mkdir()
+    if promotion_before is not None:
+        promotion.write_text(promotion_before)
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "new-champion").write_text("left by an earlier build")
+    log = tmp_path / "calls.log"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write = f"printf '%s' '{promotion_after}' > {promotion}" if promotion_after is not None else ":"
+    (bin_dir / "dvc").write_text(f"""#!/bin/sh
+echo "dvc $*" >> {log}
+[ "$*" = repro ] && {write}
+exit 0
+""")
+    (bin_dir / "dvc").chmod(0o755)
+    proc = subprocess.run(
+        [str(tmp_path / "deploy" / "dvc.sh"), "pull", "refresh", "repro", "push"],
+        capture_output=True,
+        text=True,
+        env=script_env(str(bin_dir)),
+        timeout=60,
+    )
+    marker = tmp_path / "reports" / "new-champion"
+    return proc, log.read_text().splitlines(), marker.read_text() if marker.exists() else None
+
+
+NEW = '{"promoted": true, "version": 7, "reason": "beats v6"}'
+OLD = '{"promoted": true, "version": 6, "reason": "beats v5"}'
+
+
+def test_retraining_marks_a_new_champion_for_release(tmp_path):
+    proc, calls, marker = retrain(tmp_path, NEW, OLD)
+    assert proc.returncode == 0, proc.stderr
+    assert calls == [
+        "dvc stage list",
+        "dvc pull --allow-missing",
+        "dvc repro --force --single-item get_data",
+        "dvc repro",
+        "dvc push",
+    ]
+    assert marker is not None and '"version": 7' in marker and "new champion" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        pytest.param(OLD, None, id="data-unchanged-nothing-retrained"),
+        pytest.param(OLD, '{"promoted": false, "version": 7, "reason": "worse than v6"}', id="not-better"),
+    ],
+)
+def test_retraining_without_a_new_champion_releases_nothing(tmp_path, before, after):
+    proc, _, marker = retrain(tmp_path, after, before)
+    assert proc.returncode == 0, proc.stderr
+    assert marker is None and "nothing to release" in proc.stderr
+
+
+def test_a_champion_whose_image_does_not_build_is_not_released(tmp_path):
+    """The build step fails (here: docker), so the Jenkins build stops before Push and
+    Deploy (test_jenkinsfile checks that no step forgives a failure)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(
+        "#!/bin/sh\necho 'failed to solve: process \"pip install\" exit code 1' >&2\nexit 1\n"
+    )
+    (bin_dir / "docker").chmod(0o755)
+    proc = run_script("build_image.sh", path_prefix=str(bin_dir))
+    assert proc.returncode != 0 and "failed to solve" in proc.stderr

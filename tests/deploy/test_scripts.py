@@ -150,6 +150,12 @@ DRY_RUNS = [
         ],
     ),
     ("dvc.sh", ("pull", "repro", "push"), {}, ["dvc pull --allow-missing", "dvc repro", "dvc push"]),
+    (
+        "dvc.sh",
+        ("pull", "refresh", "repro", "push"),
+        {},
+        ["dvc pull --allow-missing", "dvc repro --force --single-item get_data", "dvc repro\n", "dvc push"],
+    ),
     ("fetch_model.sh", (), {}, ["python -c", "models:/lmops@champion"]),
 ]
 
