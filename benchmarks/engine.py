@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from lmops.engine import LLMEngine, SamplingParams
-from lmops.model import Llama, LlamaConfig, default_dtype, resolve_device
-from lmops.tokenizer import save_tokenizer, train_tokenizer
+from lmops.model import default_dtype, resolve_device
+from lmops.random_model import random_model_dir
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -60,20 +60,7 @@ def build_random_model(directory: Path, max_len: int) -> Path:
             for _ in range(20000)
         ]
         texts = [" ".join(rng.choice(words) for _ in range(5000)) for _ in range(60)]
-    tok = train_tokenizer(texts, vocab_size=4096)
-    save_tokenizer(tok, directory, max_len)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        n_layer=4,
-        n_head=6,
-        n_kv_heads=2,
-        n_embd=192,
-        intermediate_size=512,
-        max_seq_len=max_len,
-    )
-    Llama(cfg).save_pretrained(directory)
-    return directory
+    return random_model_dir(directory, texts, 4096, max_len, seed=0)
 
 
 class HF:

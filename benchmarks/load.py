@@ -218,18 +218,11 @@ def start_server(model_dir: Path, device: str) -> tuple[subprocess.Popen, str]:
 
 def build_random_model(directory: Path) -> Path:
     """The training default size with random weights (the benchmark measures speed, not text)."""
-    import torch
-
-    from lmops.model import Llama, LlamaConfig
-    from lmops.tokenizer import save_tokenizer, train_tokenizer
+    from lmops.random_model import random_model_dir
 
     text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else "To be, or not to be. " * 5000
-    tok = train_tokenizer([text[i : i + 65536] for i in range(0, len(text), 65536)], vocab_size=4096)
-    save_tokenizer(tok, directory, 256)
-    torch.manual_seed(0)
-    Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), max_seq_len=256)).save_pretrained(directory)
-    (directory / "lmops.json").write_text(json.dumps({"model_name": "random-default-size"}))
-    return directory
+    texts = [text[i : i + 65536] for i in range(0, len(text), 65536)]
+    return random_model_dir(directory, texts, 4096, 256, seed=0, meta={"model_name": "random-default-size"})
 
 
 def pct(values: list[float], q: float) -> float | None:

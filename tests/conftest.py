@@ -105,27 +105,10 @@ def make_tiny_model_dir(
     directory: Path, max_seq_len: int = 128, meta: dict | None = None, text: str | None = None
 ) -> Path:
     """A randomly initialised tiny Llama directory in the HF layout the pipeline exports."""
-    import json
-
-    from lmops.model import Llama, LlamaConfig
-    from lmops.tokenizer import save_tokenizer, train_tokenizer
+    from lmops.random_model import TINY, random_model_dir
 
     text = text or "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
-    tok = train_tokenizer([text], vocab_size=300)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        n_layer=2,
-        n_head=4,
-        n_kv_heads=2,
-        n_embd=64,
-        intermediate_size=128,
-        max_seq_len=max_seq_len,
-    )
-    Llama(config).save_pretrained(directory)
-    save_tokenizer(tok, directory, max_seq_len)
-    (directory / "lmops.json").write_text(json.dumps(meta or {}))
-    return directory
+    return random_model_dir(directory, [text], 300, max_seq_len, meta=meta or {}, **TINY)
 
 
 @pytest.fixture(scope="session")

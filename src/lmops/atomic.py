@@ -1,22 +1,34 @@
 """Atomic outputs: write beside the target, then rename, so no reader (a later
-DVC stage, the service) ever sees half a file or half a model directory."""
+DVC stage, the service) ever sees half a file or half a model directory.
+
+The temporary files and directories are created the way a plain `open`/`mkdir`
+would create them, so outputs get the ordinary modes the umask gives (0644 and
+0755 under umask 022), not `tempfile`'s private 0600/0700: a container user or
+another host user must be able to read an exported model.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 
+def _sibling(path: Path) -> Path:
+    """A fresh hidden name beside `path` (creation with O_EXCL/mkdir catches the unlikely clash)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
 def write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = _sibling(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -39,14 +51,19 @@ def write_json(path: str | Path, obj: Any) -> None:
 
 @contextlib.contextmanager
 def directory(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `path` whole.
+    """Yield a new sibling directory to fill; on success it replaces `path` whole.
 
-    The old directory is moved aside first and removed only after the new one is
-    in place, so at every instant `path` is either the old or the new version.
+    A reader sees the old version or the new one, never a mix. The old version is
+    renamed aside, then the new one into place: for the instant between the two
+    renames `path` does not exist, so a reader that finds it missing should retry.
+    A process killed right there leaves it missing (the old version sits in
+    `.<name>.old` until the next write); `lmops promote` re-exports the champion
+    when it finds no export.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    tmp = _sibling(path)
+    tmp.mkdir()  # mode 0o777 minus the umask, as for any mkdir
     try:
         yield tmp
     except BaseException:

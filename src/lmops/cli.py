@@ -31,7 +31,7 @@ def _run_stage(name: str, args: argparse.Namespace) -> None:
 
         split(params.split)
     elif name == "tokenize":
-        from lmops.tokenizer import tokenize
+        from lmops.tokenize import tokenize
 
         tokenize(params.tokenizer, params.model.max_seq_len)
     elif name == "train":

@@ -38,8 +38,11 @@ class DataConfig(_Section):
 
 
 class SplitConfig(_Section):
-    val_fraction: Fraction = 0.05
-    test_fraction: Fraction = 0.05
+    # random: seeded, by document; tail: the last bytes of the corpus, in source order
+    # (val, then test), what time-ordered data needs and nanoGPT's split.
+    method: Literal["random", "tail"] = "random"
+    val_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.05
+    test_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.05
     seed: int = 1337
 
     @model_validator(mode="after")

@@ -21,11 +21,10 @@ import numpy as np
 from lmops import atomic
 from lmops.config import DataConfig, SplitConfig
 from lmops.errors import LmopsError
+from lmops.paths import PROCESSED_DIR, RAW_DIR
 
 log = logging.getLogger(__name__)
 
-RAW_DIR = Path("data/raw")
-PROCESSED_DIR = Path("data/processed")
 SPLITS = ("train", "val", "test")
 FILE_HEADER = "# <|file|> "
 _HEADER_RE = re.compile(rf"^(?={re.escape(FILE_HEADER)})", re.MULTILINE)
@@ -143,19 +142,39 @@ def get_data(cfg: DataConfig, out_dir: Path = RAW_DIR) -> dict:
     return manifest
 
 
-def assign_splits(n_docs: int, cfg: SplitConfig) -> dict[str, np.ndarray]:
-    """Seeded document -> split assignment; every split gets at least one document."""
+def assign_splits(sizes: list[int] | np.ndarray, cfg: SplitConfig) -> dict[str, np.ndarray]:
+    """Document -> split assignment (indices in source order); every split gets a document.
+
+    `random` deals documents out by a seeded permutation. `tail` cuts the corpus in
+    source order at the document boundaries nearest to the byte fractions: train,
+    then val, then test (val + test = the last val_fraction + test_fraction of it).
+    """
+    n_docs = len(sizes)
     if n_docs < 3:
-        raise LmopsError(f"corpus has {n_docs} document(s); need at least 3 to split train/val/test")
+        raise LmopsError(
+            f"corpus has {n_docs} document(s); need at least 3 (one per split) to train: "
+            "add data or choose a smaller data.document_unit"
+        )
+    if cfg.method == "tail":
+        ends = np.concatenate([[0], np.cumsum(sizes, dtype=np.float64)])
+        total = ends[-1]
+
+        def boundary(fraction: float) -> int:
+            return int(np.abs(ends - fraction * total).argmin())
+
+        a = min(max(boundary(1 - cfg.val_fraction - cfg.test_fraction), 1), n_docs - 2)
+        b = min(max(boundary(1 - cfg.test_fraction), a + 1), n_docs - 1)
+        idx = np.arange(n_docs)
+        return {"train": idx[:a], "val": idx[a:b], "test": idx[b:]}
     order = np.random.default_rng(cfg.seed).permutation(n_docs)
     n_val = max(1, round(n_docs * cfg.val_fraction))
     n_test = max(1, round(n_docs * cfg.test_fraction))
     if n_val + n_test >= n_docs:
         raise LmopsError(f"corpus has {n_docs} documents: too few for these split fractions")
     return {
+        "train": np.sort(order[n_val + n_test :]),
         "val": np.sort(order[:n_val]),
         "test": np.sort(order[n_val : n_val + n_test]),
-        "train": np.sort(order[n_val + n_test :]),
     }
 
 
@@ -164,10 +183,11 @@ def split(cfg: SplitConfig, raw_dir: Path = RAW_DIR, out_dir: Path = PROCESSED_D
     if not corpus_path.is_file():
         raise LmopsError(f"{corpus_path} not found: run `lmops get_data` first")
     docs = documents(decode_utf8(corpus_path.read_bytes(), str(corpus_path)))
+    sizes = [len(d.encode("utf-8")) for d in docs]
     stats = {}
-    for name, idx in assign_splits(len(docs), cfg).items():
+    for name, idx in assign_splits(sizes, cfg).items():
         text = "".join(docs[i] for i in idx)
         atomic.write_text(out_dir / f"{name}.txt", text)
         stats[name] = {"documents": len(idx), "bytes": len(text.encode("utf-8"))}
-    log.info("split: %s", stats)
+    log.info("split (%s): %s", cfg.method, stats)
     return stats

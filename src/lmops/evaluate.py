@@ -21,17 +21,13 @@ import torch.nn.functional as F
 
 from lmops import atomic, tracking
 from lmops.config import EvaluateConfig, Params
-from lmops.data import PROCESSED_DIR
 from lmops.engine import LLMEngine, SamplingParams
 from lmops.errors import LmopsError
 from lmops.model import Llama, resolve_device
+from lmops.paths import METRICS_FILE, MODEL_DIR, PROCESSED_DIR, SAMPLES_FILE
 from lmops.tokenizer import encode, load_tokenizer, token_byte_lengths
-from lmops.train import MODEL_DIR
 
 log = logging.getLogger(__name__)
-
-METRICS_FILE = Path("artifacts/metrics.json")
-SAMPLES_FILE = Path("artifacts/samples.md")
 
 
 def read_model_meta(model_dir: Path) -> dict:

@@ -5,25 +5,33 @@
 it was measured on a split with the same sha256, otherwise the champion is
 re-evaluated on the current split first. The winner is exported atomically
 to production_service/model; the decision goes to artifacts/promotion.json.
+
+Recoverable: moving the alias and exporting are two steps, and a process can
+die between them. The export's lmops.json names the registry version it holds,
+so every promote first reconciles it with @champion (re-exporting when they
+differ) and exports a new champion through the same reconciliation.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import tempfile
 from pathlib import Path
 
 from lmops import atomic, tracking
-from lmops.config import Params
+from lmops.config import Params, PromoteConfig
 from lmops.errors import LmopsError
-from lmops.evaluate import METRICS_FILE, evaluate_dir, read_model_meta, read_test_split
-from lmops.train import MODEL_DIR
+from lmops.evaluate import evaluate_dir, read_model_meta, read_test_split
+from lmops.paths import METRICS_FILE, MODEL_DIR, PROMOTION_FILE
 
 log = logging.getLogger(__name__)
 
-PROMOTION_FILE = Path("artifacts/promotion.json")
 METRIC = "test_bits_per_byte"
+# Tests set it to die (SIGKILL) right after @champion moved, before the export.
+FAULT_ENV = "LMOPS_FAULT_SIGKILL_AFTER_ALIAS"
 
 
 def champion_score(params: Params, champion, test_text: str, test_sha: str) -> tuple[float, str]:
@@ -40,7 +48,65 @@ def champion_score(params: Params, champion, test_text: str, test_sha: str) -> t
     return bpb, "re-evaluated on the current test split (the data changed)"
 
 
+def exported_version(export_dir: Path) -> tuple[str, str] | None:
+    """(model name, registry version) the export's lmops.json says it holds; None if unknown."""
+    try:
+        meta = json.loads((export_dir / "lmops.json").read_text())
+        return str(meta["model_name"]), str(meta["model_version"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def reconcile(cfg: PromoteConfig, model_dir: Path) -> None:
+    """Make the export hold @champion: export it when the export holds anything else.
+
+    The champion's files come from `model_dir` when that is the champion's run
+    (the usual promotion), otherwise from the registry.
+    """
+    champion = tracking.champion_version(cfg.model_name, cfg.alias)
+    if champion is None:
+        return
+    export_dir = Path(cfg.export_dir)
+    held = exported_version(export_dir)
+    if held == (cfg.model_name, str(champion.version)):
+        return
+    if held is not None or export_dir.exists():
+        what = f"{held[0]} v{held[1]}" if held else "an unknown model"
+        log.warning("%s holds %s, not @%s v%s: re-exporting", export_dir, what, cfg.alias, champion.version)
+    tags = champion.tags or {}
+    local_run = read_model_meta(model_dir).get("run_id") if (model_dir / "lmops.json").is_file() else None
+    with tempfile.TemporaryDirectory(prefix="lmops-export-") as tmp:
+        if local_run != champion.run_id:
+            model_dir = tracking.download_model_dir(f"models:/{cfg.model_name}/{champion.version}", Path(tmp))
+        run_metrics = tracking.client().get_run(champion.run_id).data.metrics
+        metrics = {
+            **read_model_meta(model_dir).get("metrics", {}),
+            **{k: v for k, v in run_metrics.items() if k.startswith("test_")},
+        }
+        if METRIC in tags:  # the number promotion compared: the service's drift reference
+            metrics.update({METRIC: float(tags[METRIC]), "test_split_sha256": tags.get("test_split_sha256")})
+        tracking.export(
+            model_dir,
+            export_dir,
+            {
+                "model_name": cfg.model_name,
+                "model_version": int(champion.version),
+                "run_id": champion.run_id,
+                "metrics": metrics,
+            },
+        )
+    log.info("%s now holds %s v%s (@%s)", export_dir, cfg.model_name, champion.version, cfg.alias)
+
+
 def promote(params: Params, force: bool = False, model_dir: Path = MODEL_DIR) -> dict:
+    uri = tracking.tracking_uri(params.mlflow)
+    with tracking.store_errors(uri):
+        tracking.configure(params.mlflow)
+        reconcile(params.promote, model_dir)
+        return _promote(params, force, model_dir)
+
+
+def _promote(params: Params, force: bool, model_dir: Path) -> dict:
     cfg = params.promote
     meta = read_model_meta(model_dir)
     if not METRICS_FILE.is_file():
@@ -54,7 +120,6 @@ def promote(params: Params, force: bool = False, model_dir: Path = MODEL_DIR) ->
         raise LmopsError(f"{METRICS_FILE} was measured on another test split: run `lmops evaluate` again")
     score = float(metrics[METRIC])
 
-    tracking.configure(params.mlflow)
     champion = tracking.champion_version(cfg.model_name, cfg.alias)
     version = tracking.register(
         cfg.model_name,
@@ -69,13 +134,19 @@ def promote(params: Params, force: bool = False, model_dir: Path = MODEL_DIR) ->
         "champion_version": None,
         "champion_bits_per_byte": None,
     }
-    if champion is not None:
+    is_champion = champion is not None and champion.version == version.version
+    if is_champion:  # e.g. a promotion killed after the alias moved, run again
+        champ_bpb = score
+    elif champion is not None:
         champ_bpb, how = champion_score(params, champion, test_text, test_sha)
+    if champion is not None:
         decision.update(champion_version=int(champion.version), champion_bits_per_byte=champ_bpb)
     if force:
         promoted, reason = True, "forced with --force"
     elif champion is None:
         promoted, reason = True, "no champion yet"
+    elif is_champion:
+        promoted, reason = False, f"v{version.version} is already @{cfg.alias}"
     elif score < champ_bpb:
         promoted, reason = (
             True,
@@ -92,19 +163,9 @@ def promote(params: Params, force: bool = False, model_dir: Path = MODEL_DIR) ->
     client.set_model_version_tag(cfg.model_name, version.version, "promotion", reason)
     if promoted:
         client.set_registered_model_alias(cfg.model_name, cfg.alias, version.version)
-        tracking.export(
-            model_dir,
-            Path(cfg.export_dir),
-            {
-                "model_name": cfg.model_name,
-                "model_version": int(version.version),
-                "run_id": run_id,
-                "metrics": {
-                    **meta.get("metrics", {}),
-                    **{k: v for k, v in metrics.items() if k.startswith("test_")},
-                },
-            },
-        )
+        if os.environ.get(FAULT_ENV):
+            os.kill(os.getpid(), signal.SIGKILL)
+        reconcile(cfg, model_dir)
     atomic.write_json(PROMOTION_FILE, decision)
     log.info("promotion: %s v%s: %s", "PROMOTED" if promoted else "kept champion", version.version, reason)
     return decision

@@ -1,68 +1,23 @@
-"""Byte-level BPE (HF `tokenizers`), trained on the train split only, and the
-encoding of every split to a flat little-endian integer `.bin` (np.memmap).
+"""The tokenizer at run time: load a model directory's byte-level BPE, encode text,
+and the UTF-8 byte length of every token (the denominator of bits per byte).
 
-The saved `tokenizer.json` + `tokenizer_config.json` load in `transformers`'
-`PreTrainedTokenizerFast` unchanged. Special tokens use Llama's ids:
-<unk>=0, <s>=1, </s>=2.
+The serving side imports only this half; training the tokenizer and encoding the
+splits to disk is the tokenize stage (`lmops.tokenize`). Special tokens use
+Llama's ids: <unk>=0, <s>=1, </s>=2.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
-from lmops import atomic
-from lmops.config import TokenizerConfig
-from lmops.data import PROCESSED_DIR, SPLITS
 from lmops.errors import LmopsError
 
-log = logging.getLogger(__name__)
-
-TOKENIZER_DIR = Path("artifacts/tokenizer")
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
-MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 _CHUNK_CHARS = 1 << 16
-
-
-def train_tokenizer(texts: Iterator[str] | list[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
-    if vocab_size < MIN_VOCAB:
-        raise LmopsError(
-            f"tokenizer.vocab_size={vocab_size} is too small: byte-level BPE needs the 256 byte "
-            f"symbols plus {len(SPECIAL_TOKENS)} special tokens, so at least {MIN_VOCAB}"
-        )
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
-
-
-def save_tokenizer(tok: Tokenizer, directory: Path, model_max_length: int) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": SPECIAL_TOKENS[0],
-        "bos_token": SPECIAL_TOKENS[1],
-        "eos_token": SPECIAL_TOKENS[2],
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": model_max_length,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:
@@ -75,11 +30,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         raise LmopsError(f"{path}: unreadable tokenizer ({exc})") from None
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-def _chunks(text: str) -> Iterator[str]:
+def chunks(text: str) -> Iterator[str]:
     """Pieces of ~64K chars cut after a newline; byte-level BPE round-trips each exactly."""
     start = 0
     while start < len(text):
@@ -90,48 +41,8 @@ def _chunks(text: str) -> Iterator[str]:
 
 
 def encode(tok: Tokenizer, text: str) -> np.ndarray:
-    ids = [e.ids for e in tok.encode_batch(list(_chunks(text)), add_special_tokens=False)]
+    ids = [e.ids for e in tok.encode_batch(list(chunks(text)), add_special_tokens=False)]
     return np.fromiter((i for chunk in ids for i in chunk), dtype=np.int64)
-
-
-def read_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
-    path = Path(path)
-    if not path.is_file():
-        raise LmopsError(f"{path} not found: run `lmops tokenize` first")
-    if path.stat().st_size == 0:
-        raise LmopsError(f"{path} is empty")
-    return np.memmap(path, dtype=token_dtype(vocab_size), mode="r")
-
-
-def tokenize(
-    cfg: TokenizerConfig, max_seq_len: int, data_dir: Path = PROCESSED_DIR, out_dir: Path = TOKENIZER_DIR
-) -> dict:
-    """Train on train.txt, write the tokenizer, encode each split to `<split>.bin`."""
-    texts = {}
-    for name in SPLITS:
-        path = data_dir / f"{name}.txt"
-        if not path.is_file():
-            raise LmopsError(f"{path} not found: run `lmops split` first")
-        texts[name] = path.read_text(encoding="utf-8")
-    tok = train_tokenizer(_chunks(texts["train"]), cfg.vocab_size, cfg.min_frequency)
-    vocab_size = tok.get_vocab_size()
-    stats: dict = {"vocab_size": vocab_size, "dtype": token_dtype(vocab_size).name, "splits": {}}
-    for name, text in texts.items():
-        ids = encode(tok, text)
-        if len(ids) < 2:
-            raise LmopsError(f"{name} split encodes to {len(ids)} token(s); the corpus is too small")
-        n_bytes = len(text.encode("utf-8"))
-        atomic.write_bytes(data_dir / f"{name}.bin", ids.astype(token_dtype(vocab_size)).tobytes())
-        stats["splits"][name] = {
-            "tokens": int(len(ids)),
-            "bytes": n_bytes,
-            "bytes_per_token": round(n_bytes / len(ids), 4),
-        }
-    with atomic.directory(out_dir) as tmp:
-        save_tokenizer(tok, tmp, max_seq_len)
-        (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    log.info("tokenizer: vocab %d, %s", vocab_size, stats["splits"])
-    return stats
 
 
 def token_byte_lengths(tok: Tokenizer) -> np.ndarray:

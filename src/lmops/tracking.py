@@ -8,12 +8,14 @@ model directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from lmops import atomic
@@ -36,20 +38,45 @@ def _mlflow():
     return mlflow
 
 
+def tracking_uri(cfg: MlflowConfig) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
+
+
+@contextlib.contextmanager
+def store_errors(uri: str) -> Iterator[None]:
+    """Turn MLflow store failures into one-line `LmopsError`s.
+
+    A store locked by another process (sqlite) is already waited on: MLflow sets
+    SQLite's busy timeout to 20 s, which retries until the lock is released. Past
+    that, MLflow logs the SQLAlchemy traceback and raises; the user gets one line.
+    """
+    mlflow = _mlflow()
+    if not log.isEnabledFor(logging.DEBUG):  # `lmops -v` still shows MLflow's traceback
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+    try:
+        yield
+    except mlflow.exceptions.MlflowException as exc:
+        first = str(exc.message).strip().splitlines()[0] if str(exc.message).strip() else exc.error_code
+        if "database is locked" in first:
+            raise LmopsError(
+                f"MLflow tracking store {uri} is locked by another process (still locked after "
+                "20 s): run the command again when it is free"
+            ) from None
+        raise LmopsError(f"MLflow tracking at {uri}: {first}") from None
+
+
 def configure(cfg: MlflowConfig) -> str:
     """Point MLflow at the tracking store; return the experiment id (created if needed)."""
     mlflow = _mlflow()
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
+    uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
-    try:
+    with store_errors(uri):
         exp = mlflow.get_experiment_by_name(cfg.experiment)
         if exp is not None:
             return exp.experiment_id
         local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
         location = Path(cfg.artifact_location).resolve().as_uri() if local else None
         return mlflow.create_experiment(cfg.experiment, artifact_location=location)
-    except mlflow.exceptions.MlflowException as exc:
-        raise LmopsError(f"MLflow tracking at {uri}: {exc.message}") from None
 
 
 def client():
@@ -160,11 +187,15 @@ def download_model_dir(model_uri: str, dst: Path) -> Path:
 
 
 def champion_version(name: str, alias: str):
+    """The version `alias` points at; None only when the model or the alias does not
+    exist (any other failure, e.g. a locked store, is raised, never read as "no champion")."""
     mlflow = _mlflow()
     try:
         return client().get_model_version_by_alias(name, alias)
-    except mlflow.exceptions.MlflowException:
-        return None
+    except mlflow.exceptions.MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
 
 
 def logged_model_uri(run_id: str) -> str:
@@ -197,9 +228,16 @@ def register(name: str, run_id: str, tags: dict[str, str]):
 
 
 def export(model_dir: Path, target: Path, meta: dict) -> None:
-    """Copy the model directory to `target` atomically, with registry facts in lmops.json."""
+    """Copy the model directory to `target` atomically, with registry facts in lmops.json.
+
+    Contents only (`copyfile`, not `copytree`'s copy of modes): the export gets the
+    ordinary modes of the umask even when the source (a private temporary download,
+    an older export) is 0600/0700, so a container user can read a baked-in model.
+    """
     with atomic.directory(target) as tmp:
-        shutil.copytree(model_dir, tmp, dirs_exist_ok=True)
+        for src in model_dir.iterdir():
+            if src.is_file():
+                shutil.copyfile(src, tmp / src.name)
         lmops_json = tmp / "lmops.json"
         merged = {**json.loads(lmops_json.read_text()), **meta}
         lmops_json.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")

@@ -28,16 +28,13 @@ from tqdm import tqdm
 
 from lmops import atomic, tracking
 from lmops.config import Params, TrainConfig
-from lmops.data import PROCESSED_DIR
 from lmops.errors import LmopsError
 from lmops.model import MODEL_FILES, Llama, LlamaConfig, resolve_device
-from lmops.tokenizer import TOKENIZER_DIR, read_tokens
+from lmops.paths import CHECKPOINT_DIR, MANIFEST_FILE, MODEL_DIR, PROCESSED_DIR, TOKENIZER_DIR, TRAIN_LOG_FILE
+from lmops.tokenize import read_tokens
 
 log = logging.getLogger(__name__)
 
-MODEL_DIR = Path("artifacts/model")
-CHECKPOINT_DIR = Path("artifacts/checkpoints")
-LOG_FILE = Path("artifacts/plots/train_log.csv")
 # Sampling defaults HF runtimes read from generation_config.json.
 GENERATION_DEFAULTS = {
     "do_sample": True,
@@ -196,7 +193,7 @@ def estimate_val_loss(model, tokens, cfg: TrainConfig, block: int, device, autoc
     return float(np.mean(losses))
 
 
-def write_log(rows: list[dict], path: Path = LOG_FILE) -> None:
+def write_log(rows: list[dict], path: Path = TRAIN_LOG_FILE) -> None:
     lines = [",".join(LOG_COLUMNS)]
     lines += [",".join("" if r.get(c) is None else f"{r[c]:.6g}" for c in LOG_COLUMNS) for r in rows]
     atomic.write_text(path, "\n".join(lines) + "\n")
@@ -238,11 +235,7 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
     vocab_size = json.loads(stats_path.read_text())["vocab_size"]
     train_tokens = read_tokens(data_dir / "train.bin", vocab_size)
     val_tokens = read_tokens(data_dir / "val.bin", vocab_size)
-    manifest = (
-        json.loads(Path("data/raw/manifest.json").read_text())
-        if Path("data/raw/manifest.json").is_file()
-        else {}
-    )
+    manifest = json.loads(MANIFEST_FILE.read_text()) if MANIFEST_FILE.is_file() else {}
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model_cfg = LlamaConfig(vocab_size=vocab_size, **mcfg.model_dump())

@@ -2,12 +2,15 @@ import functools
 import hashlib
 import http.server
 import threading
+from pathlib import Path
 
 import pytest
 
 from lmops.config import DataConfig, SplitConfig
 from lmops.data import FILE_HEADER, assign_splits, cap_documents, documents, get_data, split, stdlib_corpus
 from lmops.errors import LmopsError
+
+SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
 @functools.cache
@@ -104,10 +107,47 @@ def test_split_is_deterministic_disjoint_and_complete(tmp_path):
     parts = {n: documents((tmp_path / "out" / f"{n}.txt").read_text()) for n in ("train", "val", "test")}
     seen = [d for p in parts.values() for d in p]
     assert sorted(seen) == sorted(docs)  # every document exactly once
-    again = assign_splits(200, cfg)
+    again = assign_splits([1] * 200, cfg)
     assert [d for d in parts["test"]] == [docs[i] for i in again["test"]]
-    other = assign_splits(200, SplitConfig(val_fraction=0.1, test_fraction=0.05, seed=8))
+    other = assign_splits([1] * 200, SplitConfig(val_fraction=0.1, test_fraction=0.05, seed=8))
     assert list(other["test"]) != list(again["test"])
+
+
+def test_tail_split_cuts_source_order_at_byte_fractions(tmp_path):
+    docs = [f"doc {i:03d}\n" + "x" * (i % 7) + "\n\n" for i in range(300)]
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "corpus.txt").write_text("".join(docs))
+    cfg = SplitConfig(method="tail", val_fraction=0.1, test_fraction=0.05)
+    split(cfg, tmp_path / "raw", tmp_path / "out")
+    parts = {n: (tmp_path / "out" / f"{n}.txt").read_text() for n in ("train", "val", "test")}
+    assert parts["train"] + parts["val"] + parts["test"] == "".join(docs)  # source order, nothing lost
+    total = len("".join(docs))
+    assert abs(len(parts["val"]) - 0.1 * total) <= 16 and abs(len(parts["test"]) - 0.05 * total) <= 16
+    assert parts["test"].endswith(docs[-1]) and parts["train"].startswith(docs[0])
+    # the seed plays no part: the same cut every time
+    again = assign_splits(
+        [len(d) for d in docs], SplitConfig(method="tail", val_fraction=0.1, test_fraction=0.05, seed=9)
+    )
+    assert parts["test"] == "".join(docs[i] for i in again["test"])
+
+
+def test_tail_split_gives_every_split_a_document():
+    sizes = [1000, 1, 1, 1]  # byte fractions alone would leave val and test empty
+    got = assign_splits(sizes, SplitConfig(method="tail", val_fraction=0.01, test_fraction=0.01))
+    assert {k: list(v) for k, v in got.items()} == {"train": [0], "val": [1], "test": [2, 3]}
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="shared tiny Shakespeare absent")
+def test_tail_split_is_nanogpts_split_on_tiny_shakespeare():
+    """val + test = the file's last 10% (nanoGPT: data[int(n * 0.9):]) to within one paragraph."""
+    text = SHAKESPEARE.read_text()
+    docs = documents(text)
+    got = assign_splits(
+        [len(d) for d in docs], SplitConfig(method="tail", val_fraction=0.05, test_fraction=0.05)
+    )
+    heldout = "".join(docs[i] for i in got["val"]) + "".join(docs[i] for i in got["test"])
+    assert text.endswith(heldout)
+    assert abs(len(text) - len(heldout) - int(len(text) * 0.9)) < 100
 
 
 def test_split_needs_enough_documents(tmp_path):

@@ -6,7 +6,8 @@ import torch
 from lmops.config import EvaluateConfig
 from lmops.evaluate import score
 from lmops.model import Llama, LlamaConfig
-from lmops.tokenizer import encode, token_byte_lengths, train_tokenizer
+from lmops.tokenize import train_tokenizer
+from lmops.tokenizer import encode, token_byte_lengths
 
 TEXT = "".join(f"print('line {i} → ok')\n" for i in range(300))
 

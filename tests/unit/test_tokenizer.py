@@ -5,15 +5,8 @@ import pytest
 
 from lmops.config import TokenizerConfig
 from lmops.errors import LmopsError
-from lmops.tokenizer import (
-    encode,
-    load_tokenizer,
-    read_tokens,
-    save_tokenizer,
-    token_byte_lengths,
-    tokenize,
-    train_tokenizer,
-)
+from lmops.tokenize import read_tokens, save_tokenizer, tokenize, train_tokenizer
+from lmops.tokenizer import encode, load_tokenizer, token_byte_lengths
 
 TEXT = "".join(f"def function_{i}(x, y):\n    return x * {i} + y  # ünïcödé ✓\n\n" for i in range(400))
 

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from lmops.model import Llama, LlamaConfig
-from lmops.tokenizer import save_tokenizer, train_tokenizer
+from lmops.model import Llama
+from lmops.random_model import TINY, random_model_dir
 
 MAX_LEN = 256
 
@@ -65,25 +65,7 @@ def single_thread():
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-model")
-    tok = train_tokenizer(synthetic_corpus(), vocab_size=512)
-    save_tokenizer(tok, d, MAX_LEN)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        n_layer=2,
-        n_head=4,
-        n_kv_heads=2,
-        n_embd=64,
-        intermediate_size=128,
-        max_seq_len=MAX_LEN,
-    )
-    model = Llama(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(d)
-    return d
+    return random_model_dir(d, synthetic_corpus(), 512, MAX_LEN, seed=0, init_std=0.15, **TINY)
 
 
 @pytest.fixture(scope="session")

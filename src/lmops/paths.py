@@ -1,0 +1,20 @@
+"""Where the pipeline's stages read and write, relative to the repository root.
+
+One module so a stage finds another's output without importing that stage
+(dvc.yaml names the same paths as deps and outs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+RAW_DIR = Path("data/raw")
+MANIFEST_FILE = RAW_DIR / "manifest.json"
+PROCESSED_DIR = Path("data/processed")
+TOKENIZER_DIR = Path("artifacts/tokenizer")
+MODEL_DIR = Path("artifacts/model")
+CHECKPOINT_DIR = Path("artifacts/checkpoints")
+TRAIN_LOG_FILE = Path("artifacts/plots/train_log.csv")
+METRICS_FILE = Path("artifacts/metrics.json")
+SAMPLES_FILE = Path("artifacts/samples.md")
+PROMOTION_FILE = Path("artifacts/promotion.json")

@@ -1,0 +1,34 @@
+"""The runtime (model, tokenizer, engine) never imports the pipeline: the serving image
+carries neither its code nor its dependencies (DESIGN.md, "Two halves, one direction")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+RUNTIME = ["lmops.model", "lmops.tokenizer", "lmops.engine"]
+PIPELINE = [
+    "lmops.config",
+    "lmops.data",
+    "lmops.tokenize",
+    "lmops.train",
+    "lmops.evaluate",
+    "lmops.promote",
+    "lmops.tracking",
+    "mlflow",
+    "dvc",
+    "pandas",
+    "transformers",
+]
+
+
+@pytest.mark.parametrize("module", RUNTIME)
+def test_runtime_imports_no_pipeline_code(module):
+    probe = f"import json, sys; import {module}; print(json.dumps(sorted(sys.modules)))"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, check=True).stdout)
+    assert module in loaded
+    crossed = [m for m in loaded if m in PIPELINE or m.startswith(tuple(p + "." for p in PIPELINE))]
+    assert not crossed, f"importing {module} loads pipeline modules: {crossed}"
