@@ -27,8 +27,9 @@ def _number(env: Mapping[str, str], name: str, maximum: float | None) -> float:
         value = float(text)
     except ValueError:
         raise LmopsError(f"{name}={text!r} is not a number") from None
-    if not 0 <= value <= (maximum if maximum is not None else value):
-        raise LmopsError(f"{name}={value} must be between 0 and {maximum if maximum is not None else 'any'}")
+    if value < 0 or (maximum is not None and value > maximum):
+        bounds = ">= 0" if maximum is None else f"between 0 and {maximum:g}"
+        raise LmopsError(f"{name}={text} must be {bounds}")
     return value
 
 
