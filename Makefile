@@ -32,12 +32,12 @@ test-fast: install ## unit tests only
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest tests/unit
 
 lint: install ## ruff lint + format check
-	$(BIN)/ruff check src tests benchmarks production_service kubeflow deploy/validate.py template.py
-	$(BIN)/ruff format --check src tests benchmarks production_service kubeflow deploy/validate.py template.py
+	$(BIN)/ruff check src tests benchmarks production_service kubeflow deploy template.py
+	$(BIN)/ruff format --check src tests benchmarks production_service kubeflow deploy template.py
 
 format: install ## apply ruff's formatting and safe fixes
-	$(BIN)/ruff check --fix src tests benchmarks production_service kubeflow deploy/validate.py template.py
-	$(BIN)/ruff format src tests benchmarks production_service kubeflow deploy/validate.py template.py
+	$(BIN)/ruff check --fix src tests benchmarks production_service kubeflow deploy template.py
+	$(BIN)/ruff format src tests benchmarks production_service kubeflow deploy template.py
 
 mlflow-ui: install ## MLflow UI on the tracking store the pipeline wrote (http://127.0.0.1:5000)
 	$(BIN)/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}
