@@ -6,9 +6,12 @@ Prometheus, an analysis stuck inconclusive. Rendering and validation are real.""
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -368,3 +371,57 @@ def test_a_champion_whose_image_does_not_build_is_not_released(tmp_path):
     (bin_dir / "docker").chmod(0o755)
     proc = run_script("build_image.sh", path_prefix=str(bin_dir))
     assert proc.returncode != 0 and "failed to solve" in proc.stderr
+
+
+def analysis_module():
+    """deploy/canary_analysis.py (a script, not a package module)."""
+    if "canary_analysis" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "canary_analysis", REPO / "deploy" / "canary_analysis.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["canary_analysis"]
+
+
+ARGS = {"canary-hash": "c1", "stable-hash": "s1", "namespace": "lmops"}
+
+
+def test_analysis_judges_each_measurement_like_argo_rollouts():
+    ca = analysis_module()
+    metrics = {m.name: m for m in ca.load(ca.TEMPLATE, {**ARGS, "max-ttft-p95-ratio": "2"})}
+    ttft = metrics["ttft-p95"]
+    assert 'rollouts_pod_template_hash="c1"' in ttft.query and "{{" not in ttft.query
+    assert ttft.success == "result[0] <= 2" and ttft.interval == 60 and ttft.count == 5
+    assert [ca.judge(ttft, r) for r in ([1.9], [2.1], [math.nan], [])] == [
+        "Successful",
+        "Failed",
+        "Inconclusive",  # nothing to compare
+        "Error",  # no result at all
+    ]
+    with pytest.raises(SystemExit, match="needs --arg stable-hash"):
+        ca.load(ca.TEMPLATE, {"canary-hash": "c1", "namespace": "lmops"})
+    with pytest.raises(SystemExit, match="has no arg max-latency"):
+        ca.load(ca.TEMPLATE, {**ARGS, "max-latency": "1"})
+
+
+@pytest.mark.parametrize(
+    ("phases", "decided"),
+    [
+        (["Successful"] * 5, "Successful"),
+        (["Failed", "Successful", "Failed"], "Failed"),  # failureLimit 1
+        (["Inconclusive", "Successful", "Inconclusive"], "Inconclusive"),  # inconclusiveLimit 1
+        (["Error", "Successful", "Error", "Error", "Error"], "Error"),  # 3 in a row > 2
+        (["Error", "Error", "Successful", "Error", "Successful"], "Successful"),
+        (["Successful"] * 4 + ["Error"], "Error"),  # the last one must answer
+    ],
+)
+def test_analysis_limits_decide_the_metric(phases, decided):
+    ca = analysis_module()
+    metric = next(m for m in ca.load(ca.TEMPLATE, ARGS) if m.name == "error-ratio")
+    tally, outcome = ca.Tally(), None
+    for phase in phases:
+        assert outcome is None, "decided before its last measurement"
+        outcome = tally.add(metric, phase)
+    assert outcome == decided
