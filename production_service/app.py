@@ -33,7 +33,7 @@ def create_app(config: ServiceConfig | None = None, *, start: bool = True) -> Fl
     config = config or ServiceConfig.from_env()
     configure_logging()
     runtime = Runtime(config)
-    http = HttpMetrics()
+    http = HttpMetrics(lambda: runtime.ready)
     validator = functools.lru_cache(maxsize=2)(RequestValidator)
     document = functools.lru_cache(maxsize=2)(build_document)
 

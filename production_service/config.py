@@ -31,6 +31,7 @@ class ServiceConfig:
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
+    drift_sample: float = 0.1
     # gunicorn.conf.py sets it: a worker that cannot load its model exits with
     # gunicorn's WORKER_BOOT_ERROR, so the master halts instead of respawning it.
     exit_on_load_failure: bool = False
@@ -49,6 +50,7 @@ class ServiceConfig:
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "drift_sample": self.drift_sample,
         }
 
     @classmethod
@@ -81,6 +83,16 @@ class ServiceConfig:
                 return False
             raise LmopsError(f"{name}={value!r} is not a boolean (true/false)")
 
+        def fraction(name: str, default: float) -> float:
+            value = text(name)
+            try:
+                number = default if value is None else float(value)
+            except ValueError:
+                raise LmopsError(f"{name}={value!r} is not a number") from None
+            if not 0 <= number <= 1:
+                raise LmopsError(f"{name}={value} must be between 0 and 1")
+            return number
+
         d = cls()
         return cls(
             host=text("HOST") or d.host,
@@ -99,5 +111,6 @@ class ServiceConfig:
             max_num_batched_tokens=integer("LMOPS_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
             kv_cache_memory=integer("LMOPS_KV_CACHE_MEMORY", None),
             enable_prefix_caching=flag("LMOPS_ENABLE_PREFIX_CACHING", d.enable_prefix_caching),
+            drift_sample=fraction("LMOPS_DRIFT_SAMPLE", d.drift_sample),
             exit_on_load_failure=flag("LMOPS_EXIT_ON_LOAD_FAILURE", False),
         )

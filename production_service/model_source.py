@@ -24,6 +24,7 @@ class ModelInfo:
     version: str | None = None
     run_id: str | None = None
     source: str = ""
+    reference_bits_per_byte: float | None = None  # test bits/byte at promotion (the drift baseline)
 
 
 def resolve_model(model_dir: Path, model_uri: str | None = None) -> ModelInfo:
@@ -47,7 +48,20 @@ def resolve_model(model_dir: Path, model_uri: str | None = None) -> ModelInfo:
         version=None if version is None else str(version),
         run_id=facts.get("run_id"),
         source=model_uri or str(path),
+        reference_bits_per_byte=reference_bits_per_byte(meta),
     )
+
+
+def reference_bits_per_byte(meta: dict) -> float | None:
+    """The model's test bits/byte from lmops.json: `reference_bits_per_byte`, else the
+    `metrics.test_bits_per_byte` that promotion has always exported."""
+    value = meta.get("reference_bits_per_byte")
+    if value is None:
+        metrics = meta.get("metrics")
+        value = metrics.get("test_bits_per_byte") if isinstance(metrics, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        return None
+    return float(value)
 
 
 def _read_meta(path: Path) -> dict:

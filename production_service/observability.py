@@ -8,8 +8,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from production_service.completions import RequestStats
 
@@ -34,8 +35,14 @@ def configure_logging() -> None:
 
 
 class HttpMetrics:
-    def __init__(self) -> None:
+    def __init__(self, ready: Callable[[], bool]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # Read at scrape time: with the replica count, what "no ready replica" alerts on.
+        Gauge(
+            "lmops:service_ready",
+            "1 when this replica serves (model loaded, not draining).",
+            registry=self.registry,
+        ).set_function(lambda: float(ready()))
         self.requests = Counter(
             "http_requests",
             "HTTP requests by handler and status.",

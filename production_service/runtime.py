@@ -79,6 +79,15 @@ class Runtime:
             )
             self.created = int(time.time())
             self.state = "ready"
+        if model.reference_bits_per_byte is None:
+            log.warning(
+                "%s/lmops.json has no reference bits/byte (reference_bits_per_byte or "
+                "metrics.test_bits_per_byte): lmops:model_reference_bits_per_byte is not exported, "
+                "so the drift alert has nothing to compare with",
+                model.path,
+            )
+        else:
+            engine.metrics.set_reference_bits_per_byte(model.reference_bits_per_byte)
         log.info(
             "serving %s (version %s, run %s) from %s", model.name, model.version, model.run_id, model.path
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 import shutil
 import subprocess
 import sys
@@ -114,3 +115,72 @@ def make_tiny_model_dir(
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A tiny model that has learned something, with held-out text and its reference bits/byte."""
+
+    path: Path
+    test_text: str
+    reference_bits_per_byte: float
+
+
+def make_trained_model_dir(directory: Path, steps: int = 150, seed: int = 0) -> TrainedModel:
+    """Train a tiny Llama for `steps` on standard-library sources (offline, ~10 s on one core):
+    a model whose cross-entropy tells its own kind of text from others (the drift tests).
+    Its lmops.json carries `reference_bits_per_byte`, measured on the held-out files with
+    evaluate.score, as promotion writes it."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from lmops.config import EvaluateConfig
+    from lmops.evaluate import score
+    from lmops.model import Llama, LlamaConfig
+    from lmops.tokenizer import encode, save_tokenizer, train_tokenizer
+
+    files = sorted(p for p in Path(json.__file__).parents[1].glob("*.py") if p.stat().st_size < 60_000)
+    texts = [p.read_text(errors="replace") for p in files[:40]]
+    train_text = "\n".join(t for i, t in enumerate(texts) if i % 10)
+    test_text = "\n".join(texts[::10])
+    tok = train_tokenizer([train_text], vocab_size=512)
+    ids = torch.from_numpy(encode(tok, train_text))
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        n_layer=2,
+        n_head=4,
+        n_kv_heads=2,
+        n_embd=96,
+        intermediate_size=192,
+        max_seq_len=256,
+    )
+    model = Llama(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = np.random.default_rng(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model trains faster on one thread, far faster on a busy CPU
+    try:
+        for _ in range(steps):
+            starts = torch.from_numpy(rng.integers(0, len(ids) - 129, 16))
+            xy = torch.stack([ids[s : s + 129] for s in starts])
+            _, loss = model(xy[:, :-1], xy[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        ref = score(model, tok, test_text, EvaluateConfig(max_batches=8, batch_size=8))["bits_per_byte"]
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(directory)
+    save_tokenizer(tok, directory, cfg.max_seq_len)
+    meta = {"run_id": "run-trained", "model_name": "lmops-trained", "reference_bits_per_byte": ref}
+    (directory / "lmops.json").write_text(json.dumps(meta))
+    return TrainedModel(directory, test_text, ref)
+
+
+@pytest.fixture(scope="session")
+def trained_model(tmp_path_factory) -> TrainedModel:
+    return make_trained_model_dir(tmp_path_factory.mktemp("trained-model"))

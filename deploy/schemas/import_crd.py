@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Store a CustomResourceDefinition's schema for deploy/validate.py.
+"""Turn a CustomResourceDefinition into the strict JSON schema deploy/validate.py uses.
 
-    python deploy/schemas/import_crd.py CRD.yaml SOURCE_URL COMMIT > deploy/schemas/<kind>.json
+    python deploy/schemas/import_crd.py CRD.yaml ORIGIN > deploy/schemas/<kind>.json
 
-Keeps the served version's openAPIV3Schema as the CRD ships it, without the
-descriptions (most of its size), and records where it came from. validate.py
-makes it strict when it loads it (an unknown field is an error, not pruned).
+ORIGIN says where the CRD came from (repository, tag, path). Takes the served
+version's openAPIV3Schema, drops the descriptions (most of its size), makes it
+strict like `kubectl --validate=strict` (no additional properties wherever the CRD
+lists them, except where it preserves unknown fields: the API server would prune
+them silently) and pins apiVersion and kind.
 """
 
 from __future__ import annotations
@@ -18,34 +20,46 @@ from typing import Any
 import yaml
 
 
-def without_descriptions(node: Any) -> Any:
-    if isinstance(node, dict):
-        # A property may be *named* description; only the schema keyword (a string) goes.
-        return {
-            k: without_descriptions(v)
-            for k, v in node.items()
-            if not (k == "description" and isinstance(v, str))
-        }
-    if isinstance(node, list):
-        return [without_descriptions(v) for v in node]
-    return node
+def strict(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "description" and isinstance(value, str):
+            continue
+        if key == "properties":  # field names, each to a schema (a field may be named "description")
+            out[key] = {name: strict(sub) for name, sub in value.items()}
+        else:
+            out[key] = strict(value)
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
+    if len(argv) != 2:
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    crd_file, source, commit = argv
+    crd_file, origin = argv
     crd = yaml.safe_load(Path(crd_file).read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v.get("served")]
-    stored = {
-        "source": source,
-        "commit": commit,
-        "apiVersion": f"{crd['spec']['group']}/{version['name']}",
-        "kind": crd["spec"]["names"]["kind"],
-        "openAPIV3Schema": without_descriptions(version["schema"]["openAPIV3Schema"]),
+    api_version, kind = f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"]
+    body = strict(version["schema"]["openAPIV3Schema"])
+    body["properties"].update(apiVersion={"const": api_version}, kind={"const": kind})
+    body["required"] = sorted({"apiVersion", "kind", "metadata", *body.get("required", [])})
+    schema = {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "title": f"{kind} ({api_version})",
+        "description": f"openAPIV3Schema of {origin}, made strict by deploy/schemas/import_crd.py.",
+        **body,
     }
-    print(json.dumps(stored, indent=1))
+    print(json.dumps(schema, indent=1))
     return 0
 
 

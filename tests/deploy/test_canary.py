@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.conftest import REPO, run_script, script_env
+from tests.deploy.conftest import REPO, run_script, script_env, tool
 from tests.deploy.test_kubernetes import validate
 from tests.deploy.test_smoke import free_port
 
@@ -425,3 +425,33 @@ def test_analysis_limits_decide_the_metric(phases, decided):
         assert outcome is None, "decided before its last measurement"
         outcome = tally.add(metric, phase)
     assert outcome == decided
+
+
+def test_the_drift_alert_starts_the_retraining_job():
+    """Alertmanager (its own amtool) accepts the config and routes the drift alert, with
+    the labels rules.yml gives it, to the Jenkins remote trigger with RETRAIN=true; the
+    credential comes from a file, never from the config."""
+    amtool = tool("amtool")
+    config = REPO / "deploy" / "monitoring" / "alertmanager.yml"
+    check = subprocess.run([amtool, "check-config", str(config)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+    rules = yaml.safe_load((REPO / "deploy" / "monitoring" / "rules.yml").read_text())
+    (drift,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "LmopsPromptDrift"]
+    labels = [
+        f"{k}={v}" for k, v in {"alertname": "LmopsPromptDrift", "job": "lmops", **drift["labels"]}.items()
+    ]
+    routed = subprocess.run(
+        [amtool, "config", "routes", "test", f"--config.file={config}", *labels],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert routed.returncode == 0 and routed.stdout.split()[0] == "retrain", routed.stdout + routed.stderr
+    (receiver,) = [r for r in yaml.safe_load(config.read_text())["receivers"] if r["name"] == "retrain"]
+    (hook,) = receiver["webhook_configs"]
+    assert re.fullmatch(
+        r"https?://[^?]+/job/[^?]+/buildWithParameters\?(.+&)?RETRAIN=true(&.+)?", hook["url"]
+    )
+    assert "token=" not in hook["url"] and "password" not in hook["http_config"]["basic_auth"]
+    assert hook["http_config"]["basic_auth"]["password_file"].startswith("/etc/alertmanager/secrets/")
+    assert hook["send_resolved"] is False

@@ -195,8 +195,13 @@ def test_metrics_has_engine_and_http_series(client):
         "lmops:time_to_first_token_seconds_bucket",
         "http_requests_total",
         "http_request_duration_seconds_bucket",
+        "lmops:engine_steps_total",
+        "lmops:prompt_bits_per_byte_bucket",
     ):
         assert name in text
+    assert "lmops:service_ready 1.0" in text
+    # The fixture model has no reference bits/byte in lmops.json: the gauge is absent.
+    assert "lmops:model_reference_bits_per_byte" not in text
     assert 'handler="/v1/completions",method="POST",status="200"' in text
 
 
@@ -215,7 +220,23 @@ def test_not_loaded_yet_is_503_but_probes_and_docs_answer(model_dir):
     assert_error(client.get("/ready"), 503, "not_ready")
     assert client.get("/health").get_json() == {"status": "loading"}
     assert client.get("/openapi.json").status_code == 200
-    assert client.get("/metrics").status_code == 200
+    assert "lmops:service_ready 0.0" in client.get("/metrics").get_data(as_text=True)
+
+
+def test_reference_gauge_from_lmops_json_and_warning_without(model_dir, tmp_path, caplog):
+    import shutil
+
+    with_ref = shutil.copytree(model_dir, tmp_path / "with-ref")
+    meta = json.loads((with_ref / "lmops.json").read_text())
+    (with_ref / "lmops.json").write_text(json.dumps({**meta, "reference_bits_per_byte": 2.25}))
+    app = load_app(model_dir=with_ref, device="cpu")
+    text = app.test_client().get("/metrics").get_data(as_text=True)
+    app.extensions["lmops"].shutdown(5)
+    assert "lmops:model_reference_bits_per_byte 2.25" in text
+    assert "no reference bits/byte" not in caplog.text
+    app = load_app(model_dir=model_dir, device="cpu")
+    app.extensions["lmops"].shutdown(5)
+    assert caplog.text.count("no reference bits/byte") == 1
 
 
 def test_api_key_is_required_and_compared_in_constant_time(model_dir, monkeypatch):
@@ -311,3 +332,6 @@ def test_config_from_env_names_the_bad_variable():
     assert config.worker_threads == config.max_num_seqs + config.max_queued + 8
     with pytest.raises(LmopsError, match="LMOPS_MAX_NUM_SEQS"):
         ServiceConfig.from_env({"LMOPS_MAX_NUM_SEQS": "lots"})
+    assert ServiceConfig.from_env({"LMOPS_DRIFT_SAMPLE": "0.5"}).engine_kwargs()["drift_sample"] == 0.5
+    with pytest.raises(LmopsError, match="LMOPS_DRIFT_SAMPLE"):
+        ServiceConfig.from_env({"LMOPS_DRIFT_SAMPLE": "2"})

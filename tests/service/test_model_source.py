@@ -45,3 +45,18 @@ def test_registry_alias_resolves_to_the_model_directory(model_dir, tmp_path, mon
     assert resolve_model(tmp_path, "models:/lmops/1").version == "1"
     with pytest.raises(LmopsError, match="models:/lmops@nope"):
         resolve_model(tmp_path, "models:/lmops@nope")
+
+
+@pytest.mark.parametrize(
+    ("meta", "want"),
+    [
+        ({"reference_bits_per_byte": 2.5, "metrics": {"test_bits_per_byte": 3.0}}, 2.5),
+        ({"metrics": {"test_bits_per_byte": 3.0}}, 3.0),  # what promotion has always exported
+        ({"metrics": {"val_loss": 1.0}}, None),
+        ({"reference_bits_per_byte": "high"}, None),
+    ],
+)
+def test_reference_bits_per_byte_from_lmops_json(tmp_path, meta, want):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "lmops.json").write_text(json.dumps(meta))
+    assert resolve_model(tmp_path).reference_bits_per_byte == want

@@ -25,7 +25,14 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Fraction of requests whose prompt the engine also scores in bits/byte (the drift signal,
+    # `lmops:prompt_bits_per_byte`); 0 disables it.
+    drift_sample: float = 0.1
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive_int(name, getattr(self, name))
+        if isinstance(self.drift_sample, bool) or not isinstance(self.drift_sample, int | float):
+            raise ValueError(f"drift_sample must be a number in [0, 1], got {self.drift_sample!r}")
+        if not 0 <= self.drift_sample <= 1:
+            raise ValueError(f"drift_sample must be in [0, 1], got {self.drift_sample!r}")

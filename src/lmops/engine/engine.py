@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import uuid
 from dataclasses import replace
@@ -33,7 +34,7 @@ from lmops.engine.sequence import (
 )
 from lmops.errors import LmopsError
 from lmops.model import Llama, default_dtype, resolve_device
-from lmops.tokenizer import load_tokenizer
+from lmops.tokenizer import load_tokenizer, token_byte_lengths
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
+        # Drift sampling is systematic (every 1/drift_sample-th request), so runs are reproducible.
+        self._drift_credit = 0.0
+        self._token_bytes = token_byte_lengths(tokenizer) if engine_config.drift_sample > 0 else None
         log.info(
             "engine: %d KV blocks of %d tokens (%.1f MiB), device %s, %s",
             num_blocks,
@@ -192,6 +196,10 @@ class LLMEngine:
             self._generator(req.params.seed, 0),
         )
         seq.pending_forks = req.params.n - 1
+        self._drift_credit += self.engine_config.drift_sample
+        if self._drift_credit >= 1:
+            self._drift_credit -= 1
+            seq.score_prompt = len(req.prompt_token_ids) > 1  # a 1-token prompt predicts nothing
         req.seqs.append(seq)
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
@@ -254,6 +262,8 @@ class LLMEngine:
             ready = []
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 seq.num_computed_tokens += n
+                if seq.score_prompt and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    self._observe_prompt_score(seq)
                 if seq.num_computed_tokens == seq.num_tokens:
                     ready.append(seq)
             rows, targets = [], []
@@ -287,6 +297,14 @@ class LLMEngine:
             outputs.append(make_output(req))
         self._update_gauges()
         return outputs
+
+    def _observe_prompt_score(self, seq: Sequence) -> None:
+        """The prompt is prefilled: its bits per byte, in evaluate's unit (NLL in bits over
+        the UTF-8 bytes of the predicted tokens, i.e. all but the first)."""
+        seq.score_prompt = False
+        n_bytes = int(self._token_bytes[seq.token_ids[1 : seq.num_prompt_tokens]].sum())
+        if n_bytes:
+            self.metrics.on_prompt_scored(seq.request.metrics, seq.prompt_nll / math.log(2) / n_bytes)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """At the first sample of an n > 1 request: siblings sharing the prompt's blocks."""

@@ -81,6 +81,10 @@ _LATENCY_BUCKETS = (
     7680.0,
 )
 
+# Prompt bits per byte: ~12% apart from 0.5 to 16, so a median read by histogram_quantile
+# (linear within a bucket) is good to a few percent anywhere a model's reference may lie.
+_BPB_BUCKETS = tuple(round(0.5 * 1.125**k, 3) for k in range(30))
+
 
 def now() -> float:
     """The one clock all request timings use (monotonic: immune to wall-clock jumps)."""
@@ -99,6 +103,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_bits_per_byte: float | None = None  # scored for a sampled fraction (drift_sample)
 
     @property
     def queue_time(self) -> float | None:
@@ -129,6 +134,7 @@ class RequestMetrics:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "num_cached_tokens": self.num_cached_tokens,
+            "prompt_bits_per_byte": self.prompt_bits_per_byte,
         }
 
 
@@ -177,10 +183,37 @@ class EngineMetrics:
         self.success = Counter(
             "lmops:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
         )
+        self.steps = Counter(
+            "lmops:engine_steps",
+            "Engine steps run (flat while requests wait: the loop is stuck).",
+            registry=r,
+        )
+        self.prompt_bpb = Histogram(
+            "lmops:prompt_bits_per_byte",
+            "Model cross-entropy of sampled prompts in bits per byte (the drift signal).",
+            buckets=_BPB_BUCKETS,
+            registry=r,
+        )
+        self.reference_bpb: Gauge | None = None  # created only when the model has a reference
+
+    def set_reference_bits_per_byte(self, value: float) -> None:
+        """The served model's test bits/byte from promotion: what `prompt_bits_per_byte` compares to."""
+        if self.reference_bpb is None:
+            self.reference_bpb = Gauge(
+                "lmops:model_reference_bits_per_byte",
+                "The served model's test-split bits per byte, recorded at promotion.",
+                registry=self.registry,
+            )
+        self.reference_bpb.set(value)
+
+    def on_prompt_scored(self, m: RequestMetrics, bits_per_byte: float) -> None:
+        m.prompt_bits_per_byte = bits_per_byte
+        self.prompt_bpb.observe(bits_per_byte)
 
     def on_schedule(
         self, *, preemptions: int, prefix_queries: int, prefix_hits: int, prompt_tokens: int
     ) -> None:
+        self.steps.inc()
         if preemptions:
             self.preemptions.inc(preemptions)
         if prefix_queries:

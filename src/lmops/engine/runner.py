@@ -298,9 +298,48 @@ class ModelRunner:
         input_ids, positions, attn, last = self.prepare(seqs, num_new)
         with sdpa_kernel(_SDPA_BACKENDS):
             h = self.forward(input_ids, positions, attn)
+        if any(s.score_prompt for s in seqs):
+            self._score_prompts(h, seqs, num_new, last)
         want = [last[i] for i, s in enumerate(seqs) if s.num_computed_tokens + num_new[i] == s.num_tokens]
         if not want:
             return h.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         h = h.index_select(0, torch.tensor(want, device=self.device))
-        h = self.forward._norm(h, self.model.model.norm.weight)
-        return self.model.lm_head(h).float()
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.forward._norm(h, self.model.model.norm.weight)).float()
+
+    def _score_prompts(
+        self, h: torch.Tensor, seqs: list[Sequence], num_new: list[int], last: dict[int, int]
+    ) -> None:
+        """The drift signal, riding on the prefill: for each sequence flagged `score_prompt`,
+        add the NLL of the prompt tokens that this step's rows predict to `seq.prompt_nll`.
+        Only those rows go through the LM head (in slices, bounding the logits' memory)."""
+        rows, targets, owner, flagged = [], [], [], []
+        for i, s in enumerate(seqs):
+            start = s.num_computed_tokens
+            lo, hi = max(start, s.num_scored), min(start + num_new[i], s.num_prompt_tokens - 1)
+            if not s.score_prompt or lo >= hi:
+                continue
+            first = last[i] - num_new[i] + 1  # the row of position `start`
+            rows.extend(range(first + lo - start, first + hi - start))
+            targets.extend(s.token_ids[lo + 1 : hi + 1])
+            owner.extend([len(flagged)] * (hi - lo))
+            flagged.append(s)
+            s.num_scored = hi
+        if not rows:
+            return
+        rows_t, targets_t = torch.tensor(rows, device=self.device), torch.tensor(targets, device=self.device)
+        nll = torch.cat(
+            [
+                F.cross_entropy(
+                    self._logits(h[rows_t[k : k + 512]]), targets_t[k : k + 512], reduction="none"
+                )
+                for k in range(0, len(rows), 512)
+            ]
+        )
+        sums = torch.zeros(len(flagged), device=self.device).index_add_(
+            0, torch.tensor(owner, device=self.device), nll
+        )
+        for s, total in zip(flagged, sums.tolist(), strict=True):
+            s.prompt_nll += total

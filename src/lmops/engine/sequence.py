@@ -107,6 +107,12 @@ class Sequence:
         self.logprobs: list[dict] | None = [] if request.params.logprobs is not None else None
         self.sent_text = 0  # what the previous RequestOutput carried
         self.sent_tokens = 0
+        # Drift signal: while `score_prompt`, the runner adds the NLL (nats) of the prompt
+        # tokens its rows predict (position p predicts token p + 1) to `prompt_nll`;
+        # positions < `num_scored` are already counted (a recompute after preemption skips them).
+        self.score_prompt = False
+        self.prompt_nll = 0.0
+        self.num_scored = 0
 
     @property
     def num_tokens(self) -> int:

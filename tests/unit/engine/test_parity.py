@@ -97,7 +97,8 @@ def test_prefix_cache_hits_and_parity(
     shared = [base + p[: 3 + i] for i, p in enumerate(prompts[:6])]
     refs = [greedy_reference(ref_model, p, 12) for p in shared]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    engine = LLMEngine.from_pretrained(model_dir, device="cpu", block_size=16)
+    # drift_sample=0: a prompt scored for the drift signal is prefilled whole (no cache hits).
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", block_size=16, drift_sample=0)
     assert [o.token_ids for o in engine.generate(shared, params)] == refs
     hits = engine.metrics.registry.get_sample_value("lmops:prefix_cache_hits_total")
     assert hits >= 5 * 64  # the 4 full blocks of the shared prefix, for every later request
