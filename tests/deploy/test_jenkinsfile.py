@@ -90,7 +90,7 @@ def stage(name: str) -> str:
 
 def test_continuous_training_retrains_on_the_timer_or_on_request_and_releases_only_a_new_champion():
     assert re.search(
-        r"triggers \{\s*(//[^\n]*\s*)?cron\(params\.RETRAIN_CRON \?: 'H 2 \* \* \*'\)", JENKINSFILE
+        r"triggers \{\s*cron\(params\.RETRAIN_CRON == null \? 'H 2 \* \* \*' : params\.RETRAIN_CRON\)", CODE
     )
     assert "name: 'RETRAIN_CRON', defaultValue: 'H 2 * * *'" in CODE
     assert (
