@@ -5,9 +5,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+LINT_PATHS := src tests benchmarks production_service kubeflow deploy template.py
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-fast lint format mlflow-ui serve clean
+.PHONY: help install run test test-fast lint format mlflow-ui serve clean monitoring-tools
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -31,13 +32,26 @@ test: install ## run the whole test suite
 test-fast: install ## unit tests only
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest tests/unit
 
+# Prometheus, promtool and amtool for tests/monitoring (real rules, a real Prometheus).
+# Fails where they are missing and apt-get is not there to install them: CI must not skip.
+monitoring-tools: ## install Debian's prometheus + prometheus-alertmanager (promtool, amtool) via apt
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v amtool >/dev/null; then \
+		echo "prometheus, promtool and amtool are installed"; \
+	elif command -v apt-get >/dev/null; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager; \
+	else \
+		echo "install Prometheus (prometheus, promtool) and Alertmanager (amtool) 2.x/0.2x: no apt-get here" >&2; exit 1; \
+	fi
+
 lint: install ## ruff lint + format check
-	$(BIN)/ruff check src tests benchmarks production_service kubeflow deploy template.py
-	$(BIN)/ruff format --check src tests benchmarks production_service kubeflow deploy template.py
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
 
 format: install ## apply ruff's formatting and safe fixes
-	$(BIN)/ruff check --fix src tests benchmarks production_service kubeflow deploy template.py
-	$(BIN)/ruff format src tests benchmarks production_service kubeflow deploy template.py
+	$(BIN)/ruff check --fix $(LINT_PATHS)
+	$(BIN)/ruff format $(LINT_PATHS)
 
 mlflow-ui: install ## MLflow UI on the tracking store the pipeline wrote (http://127.0.0.1:5000)
 	$(BIN)/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 
 from lmops.engine import LLMEngine, SamplingParams
+from lmops.engine.config import EngineConfig
 from lmops.model import default_dtype, resolve_device
 from lmops.random_model import random_model_dir
 
@@ -382,7 +384,7 @@ def table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, help="model directory (default: random model of the default size)")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default=EngineConfig.device, help="for both sides (default: %(default)s)")
     ap.add_argument("--quick", action="store_true", help="short run: fewer requests and tokens")
     ap.add_argument(
         "--threads",
@@ -436,8 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
     }
-    if device.type == "cpu":
-        res["note"] = "CPU shared with other jobs while measured: numbers are noisy"
+    load_before = os.getloadavg()  # 1-minute averages: was anything else running?
     res["A"] = workload_a(engine, hf, min(128, ctx - new), new, repeats=2 if q else 3)
     n_b = 16 if q else 64
     one_by_one = args.hf_one_by_one or (4 if q else n_b)
@@ -446,6 +447,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     res["C"] = workload_c(model_dir, args.device, 8 if q else 32, min(512, ctx - 16 - 16), 16, 16)
     res["floor"] = decode_floor(engine, res["A"].pop("prompt"), res["A"]["engine_step_ms"])
+    res["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     print(table(res))
     out = args.out or RESULTS / f"engine-{device.type}{'-quick' if q else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

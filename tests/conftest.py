@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -139,7 +139,8 @@ def make_trained_model_dir(directory: Path, steps: int = 150, seed: int = 0) -> 
     from lmops.config import EvaluateConfig
     from lmops.evaluate import score
     from lmops.model import Llama, LlamaConfig
-    from lmops.tokenizer import encode, save_tokenizer, train_tokenizer
+    from lmops.tokenize import save_tokenizer, train_tokenizer
+    from lmops.tokenizer import encode
 
     files = sorted(p for p in Path(json.__file__).parents[1].glob("*.py") if p.stat().st_size < 60_000)
     texts = [p.read_text(errors="replace") for p in files[:40]]

@@ -49,26 +49,32 @@ def _run_stage(name: str, args: argparse.Namespace) -> None:
 
 
 def _sampling(args: argparse.Namespace):
+    """The model's own sampling defaults (generation_config.json), the flags given on top."""
     from lmops.engine import SamplingParams
+    from lmops.model import read_generation_config
 
+    given = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed")}
     try:
-        return SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
+        return SamplingParams.from_generation_config(
+            read_generation_config(args.model), **{k: v for k, v in given.items() if v is not None}
         )
     except ValueError as exc:
         raise LmopsError(str(exc)) from None
 
 
-def _generate(args: argparse.Namespace) -> None:
-    """Stream one completion to stdout as the engine produces it."""
+def _engine(args: argparse.Namespace, **settings):
+    """The engine on `--model`: EngineConfig's defaults, `--device` and `settings` on top."""
     from lmops.engine import LLMEngine
 
+    if args.device is not None:
+        settings["device"] = args.device
+    return LLMEngine.from_pretrained(args.model, **settings)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    """Stream one completion to stdout as the engine produces it."""
     sampling = _sampling(args)
-    engine = LLMEngine.from_pretrained(args.model, device=args.device, max_num_seqs=1)
+    engine = _engine(args, max_num_seqs=1)
     try:
         engine.add_request("cli", args.prompt, sampling)
     except ValueError as exc:
@@ -94,9 +100,7 @@ def _bench(args: argparse.Namespace) -> None:
     """Quick engine throughput on a model directory: N concurrent requests, one table."""
     import statistics
 
-    from lmops.engine import LLMEngine
-
-    engine = LLMEngine.from_pretrained(args.model, device=args.device)
+    engine = _engine(args)
     sampling = _sampling(args)
     prompts = [f"def function_{i}(x):\n    " for i in range(args.requests)]
     engine.generate(prompts[:1], sampling)  # warm-up
@@ -141,11 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     for p, max_tokens in ((gen, 64), (bench, 128)):
         p.add_argument("--model", type=Path, default=Path("production_service/model"))
         p.add_argument("--max-tokens", type=int, default=max_tokens)
-        p.add_argument("--temperature", type=float, default=0.8)
-        p.add_argument("--top-k", type=int, default=50)
-        p.add_argument("--top-p", type=float, default=0.95)
-        p.add_argument("--seed", type=int, default=1337)
-        p.add_argument("--device", default="auto")
+        for flag, kind in (("--temperature", float), ("--top-k", int), ("--top-p", float), ("--seed", int)):
+            p.add_argument(flag, type=kind, help="default: the model's generation_config.json")
+        p.add_argument("--device", help="auto (default: CUDA when present), cpu, cuda, cuda:N")
     srv = sub.add_parser("serve", help="run the inference service (gunicorn) on a model directory")
     srv.add_argument("--model", type=Path, default=Path("production_service/model"))
     return parser

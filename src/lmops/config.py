@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lmops.errors import LmopsError
+from lmops.model_config import LlamaShape
 
 PARAMS_FILE = "params.yaml"
 log = logging.getLogger(__name__)
@@ -58,16 +59,9 @@ class TokenizerConfig(_Section):
     min_frequency: PositiveInt = 2
 
 
-class ModelConfig(_Section):
-    n_layer: PositiveInt = 4
-    n_head: PositiveInt = 6
-    n_kv_heads: PositiveInt = 2
-    n_embd: PositiveInt = 192
-    intermediate_size: PositiveInt = 512
-    max_seq_len: PositiveInt = 256
-    rope_theta: Annotated[float, Field(gt=0)] = 10000.0
-    norm_eps: Annotated[float, Field(gt=0)] = 1e-5
-    tie_embeddings: bool = True
+class ModelConfig(LlamaShape, _Section):
+    """The `model` section is the model's shape (`lmops.model_config.LlamaShape`): fields, defaults
+    and checks are defined there once; the tokenizer adds the vocabulary at train time."""
 
     @model_validator(mode="before")
     @classmethod
@@ -80,33 +74,23 @@ class ModelConfig(_Section):
             raw = {("max_seq_len" if k == "block_size" else k): v for k, v in raw.items()}
         return raw
 
-    @model_validator(mode="after")
-    def _heads_divide(self) -> ModelConfig:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.n_head % self.n_kv_heads:
-            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_heads ({self.n_kv_heads})")
-        if (self.n_embd // self.n_head) % 2:
-            raise ValueError("head dim (n_embd / n_head) must be even for RoPE")
-        return self
-
 
 class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 1337
-    max_steps: PositiveInt = 2000
+    max_steps: PositiveInt = 600
     batch_size: PositiveInt = 16
     grad_accum_steps: PositiveInt = 1
     learning_rate: Annotated[float, Field(gt=0)] = 3e-3
     min_lr: Annotated[float, Field(ge=0)] = 3e-4
-    warmup_steps: Annotated[int, Field(ge=0)] = 100
+    warmup_steps: Annotated[int, Field(ge=0)] = 40
     weight_decay: Annotated[float, Field(ge=0)] = 0.1
     beta1: Fraction = 0.9
     beta2: Fraction = 0.95
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
-    eval_interval: PositiveInt = 250
-    eval_batches: PositiveInt = 10
-    checkpoint_interval: PositiveInt = 250
+    eval_interval: PositiveInt = 100
+    eval_batches: PositiveInt = 8
+    checkpoint_interval: PositiveInt = 100
     log_interval: PositiveInt = 10
     threads: Annotated[int, Field(ge=0)] = 0  # 0 = torch default
 
@@ -118,14 +102,10 @@ class TrainConfig(_Section):
 
 
 class EvaluateConfig(_Section):
-    max_batches: PositiveInt = 50
+    max_batches: PositiveInt = 40
     batch_size: PositiveInt = 16
     prompts: list[str] = ["def ", "class ", "import "]
-    max_new_tokens: PositiveInt = 64
-    temperature: Annotated[float, Field(ge=0, le=5)] = 0.8
-    top_k: Annotated[int, Field(ge=0)] = 50
-    top_p: Annotated[float, Field(gt=0, le=1)] = 0.95
-    seed: int = 1337
+    max_new_tokens: PositiveInt = 64  # sampling itself: the model's generation_config.json
 
 
 class PromoteConfig(_Section):

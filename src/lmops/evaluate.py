@@ -23,7 +23,7 @@ from lmops import atomic, tracking
 from lmops.config import EvaluateConfig, Params
 from lmops.engine import LLMEngine, SamplingParams
 from lmops.errors import LmopsError
-from lmops.model import Llama, resolve_device
+from lmops.model import Llama, read_generation_config, resolve_device
 from lmops.paths import METRICS_FILE, MODEL_DIR, PROCESSED_DIR, SAMPLES_FILE
 from lmops.tokenizer import encode, load_tokenizer, token_byte_lengths
 
@@ -83,17 +83,12 @@ def read_test_split(data_dir: Path = PROCESSED_DIR) -> tuple[str, str]:
     return raw.decode("utf-8"), hashlib.sha256(raw).hexdigest()
 
 
-def sample_completions(engine: LLMEngine, cfg: EvaluateConfig) -> list[tuple[str, str]]:
-    """(prompt, completion) pairs from the inference engine, seeded."""
-    sampling = SamplingParams(
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        max_tokens=cfg.max_new_tokens,
-        seed=cfg.seed,
-    )
-    outs = engine.generate(list(cfg.prompts), sampling)
-    return [(prompt, out.text) for prompt, out in zip(cfg.prompts, outs, strict=True)]
+def sample_completions(
+    engine: LLMEngine, prompts: list[str], sampling: SamplingParams
+) -> list[tuple[str, str]]:
+    """(prompt, completion) pairs from the inference engine."""
+    outs = engine.generate(list(prompts), sampling)
+    return [(prompt, out.text) for prompt, out in zip(prompts, outs, strict=True)]
 
 
 def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCESSED_DIR) -> dict:
@@ -107,10 +102,14 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
     metrics["val_loss"] = meta.get("metrics", {}).get("val_loss")
     metrics["test_split_sha256"] = test_sha
 
-    samples = sample_completions(engine, cfg)
+    # The model's own sampling defaults: what `lmops generate` and the pyfunc use too.
+    s = SamplingParams.from_generation_config(
+        read_generation_config(model_dir), max_tokens=cfg.max_new_tokens
+    )
+    samples = sample_completions(engine, cfg.prompts, s)
     lines = [
-        f"# Samples (temperature {cfg.temperature}, top_k {cfg.top_k}, top_p {cfg.top_p}, "
-        f"seed {cfg.seed}, run {meta.get('run_id')})",
+        f"# Samples (temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
+        f"seed {s.seed}, run {meta.get('run_id')})",
         "",
     ]
     for prompt, completion in samples:

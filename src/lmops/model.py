@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lmops.errors import LmopsError
+from lmops.model_config import LlamaConfig
 
 MODEL_FILES = (
     "config.json",
@@ -32,6 +33,17 @@ MODEL_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
+# How a model samples by default, defined once: save_pretrained writes it into
+# generation_config.json (where HF runtimes read it; `seed` is ours), and `lmops generate`,
+# the evaluate samples and the MLflow pyfunc read it back (SamplingParams.from_generation_config).
+GENERATION_DEFAULTS = {
+    "do_sample": True,
+    "temperature": 0.8,
+    "top_k": 50,
+    "top_p": 0.95,
+    "max_new_tokens": 128,
+    "seed": 1337,
+}
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -46,67 +58,6 @@ def resolve_device(name: str = "auto") -> torch.device:
 def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 on CUDA, float32 on CPU (CPU bf16 matmuls are slow and lossy)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    n_layer: int = 4
-    n_head: int = 6
-    n_kv_heads: int = 2
-    n_embd: int = 192
-    intermediate_size: int = 512
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    bos_token_id: int = 1
-    eos_token_id: int = 2
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    def to_hf(self) -> dict:
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.n_embd,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.n_layer,
-            "num_attention_heads": self.n_head,
-            "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_seq_len,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.norm_eps,
-            "tie_word_embeddings": self.tie_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "torch_dtype": "float32",
-        }
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> LlamaConfig:
-        rope_theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        return cls(
-            vocab_size=hf["vocab_size"],
-            n_layer=hf["num_hidden_layers"],
-            n_head=hf["num_attention_heads"],
-            n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-            n_embd=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            max_seq_len=hf["max_position_embeddings"],
-            rope_theta=float(rope_theta),
-            norm_eps=hf.get("rms_norm_eps", 1e-5),
-            tie_embeddings=hf.get("tie_word_embeddings", False),
-            bos_token_id=hf.get("bos_token_id", 1),
-            eos_token_id=hf.get("eos_token_id", 2),
-        )
 
 
 class AttentionCache(Protocol):
@@ -265,8 +216,8 @@ class Llama(nn.Module):
 
     # -- the model directory (Hugging Face Llama layout) ------------------------------
 
-    def save_pretrained(self, directory: str | Path, generation: dict | None = None) -> None:
-        """config.json, model.safetensors and generation_config.json (special ids + `generation`)."""
+    def save_pretrained(self, directory: str | Path) -> None:
+        """config.json, model.safetensors and generation_config.json (special ids + GENERATION_DEFAULTS)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.state_dict().items()}
@@ -276,7 +227,7 @@ class Llama(nn.Module):
         (directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2) + "\n")
         ids = {"bos_token_id": self.config.bos_token_id, "eos_token_id": self.config.eos_token_id}
         (directory / "generation_config.json").write_text(
-            json.dumps({**ids, **(generation or {})}, indent=2) + "\n"
+            json.dumps({**ids, **GENERATION_DEFAULTS}, indent=2) + "\n"
         )
 
     @classmethod
@@ -289,6 +240,11 @@ class Llama(nn.Module):
                 raise LmopsError(f"{directory}: not a model directory, missing {name}")
         try:
             cfg = LlamaConfig.from_hf(json.loads((directory / "config.json").read_text()))
+        except ValidationError as exc:
+            problems = "; ".join(
+                ": ".join([*map(str, e["loc"]), e["msg"].removeprefix("Value error, ")]) for e in exc.errors()
+            )
+            raise LmopsError(f"{directory / 'config.json'}: invalid model config ({problems})") from None
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise LmopsError(f"{directory / 'config.json'}: unreadable model config ({exc!r})") from None
         try:
@@ -303,6 +259,20 @@ class Llama(nn.Module):
         except RuntimeError as exc:
             raise LmopsError(f"{directory}: weights do not match config.json ({exc})") from None
         return model.to(device=device, dtype=dtype).eval()
+
+
+def read_generation_config(directory: str | Path) -> dict:
+    """A model directory's generation_config.json ({} when it has none)."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise LmopsError(f"{path}: unreadable generation config ({exc})") from None
+    if not isinstance(value, dict):
+        raise LmopsError(f"{path}: unreadable generation config (not a JSON object)")
+    return value
 
 
 class KVCache:

@@ -27,8 +27,7 @@ log = logging.getLogger(__name__)
 PYFUNC_FILE = Path(__file__).with_name("mlflow_pyfunc.py")
 MODEL_ARTIFACT = "model"
 PYFUNC_DEPENDENCIES = ("torch", "numpy", "tokenizers", "safetensors", "prometheus-client")
-# Sampling defaults of the pyfunc's predict(); its signature declares them as params.
-PREDICT_DEFAULTS = {"max_tokens": 64, "temperature": 0.8, "top_k": 50, "top_p": 0.95, "seed": 1337}
+PREDICT_MAX_TOKENS = 64
 
 
 def _mlflow():
@@ -149,12 +148,25 @@ def log_step(run_id: str, row: dict) -> None:
     log_metrics(run_id, {k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
 
 
+def predict_defaults(model_dir: Path) -> dict:
+    """The pyfunc's predict() params and their defaults (its logged signature declares them):
+    the model's own sampling (generation_config.json) and PREDICT_MAX_TOKENS new tokens."""
+    from lmops.engine import SamplingParams
+    from lmops.model import read_generation_config
+
+    sampling = SamplingParams.from_generation_config(
+        read_generation_config(model_dir), max_tokens=PREDICT_MAX_TOKENS
+    )
+    keys = ("max_tokens", "temperature", "top_k", "top_p", "seed")
+    return {k: getattr(sampling, k) for k in keys if getattr(sampling, k) is not None}
+
+
 def log_model(run_id: str, model_dir: Path) -> None:
     """Log the model directory as a pickle-free pyfunc (models from code)."""
     from importlib.metadata import version
 
     mlflow = _mlflow()
-    signature = mlflow.models.infer_signature(["def "], ["completion"], params=PREDICT_DEFAULTS)
+    signature = mlflow.models.infer_signature(["def "], ["completion"], params=predict_defaults(model_dir))
     with mlflow.start_run(run_id=run_id):
         mlflow.pyfunc.log_model(
             signature=signature,

@@ -35,14 +35,6 @@ from lmops.tokenize import read_tokens
 
 log = logging.getLogger(__name__)
 
-# Sampling defaults HF runtimes read from generation_config.json.
-GENERATION_DEFAULTS = {
-    "do_sample": True,
-    "temperature": 0.8,
-    "top_k": 50,
-    "top_p": 0.95,
-    "max_new_tokens": 128,
-}
 LOG_COLUMNS = ("step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_sec", "mfu")
 # Fault injection for the resume test: SIGKILL ourselves right after this step.
 FAULT_ENV = "LMOPS_FAULT_SIGKILL_AFTER_STEP"
@@ -205,7 +197,7 @@ def export_model(model: Llama, directory: Path, meta: dict) -> None:
         if not (TOKENIZER_DIR / name).is_file():
             raise LmopsError(f"{TOKENIZER_DIR / name} not found: run `lmops tokenize` first")
     with atomic.directory(directory) as tmp:
-        model.save_pretrained(tmp, generation=GENERATION_DEFAULTS)
+        model.save_pretrained(tmp)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (tmp / name).write_bytes((TOKENIZER_DIR / name).read_bytes())
         (tmp / "lmops.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")

@@ -28,7 +28,9 @@ def out_of_distribution(test_text: str, tokenizer, n: int = 8, seed: int = 0) ->
         shuffled.append(ids)
     words = GERMAN.split()
     return {
-        "german": [" ".join(words[i:] + words[:i]) for i in range(0, len(words), max(1, len(words) // n))][:n],
+        "german": [" ".join(words[i:] + words[:i]) for i in range(0, len(words), max(1, len(words) // n))][
+            :n
+        ],
         "random": ["".join(chr(rng.randrange(32, 0x250)) for _ in range(100)) for _ in range(n)],
         "shuffled": shuffled,
     }

@@ -19,6 +19,11 @@ def test_repo_params_are_valid_and_complete():
         assert set(raw[section]) == set(model.annotation.model_fields), section
 
 
+def test_schema_defaults_are_the_repo_params():
+    # A default in config.py that differed from params.yaml would mislead whoever reads it.
+    assert parse_params({}) == load_params(REPO / "params.yaml")
+
+
 def test_unknown_key_is_named_with_a_suggestion():
     with pytest.raises(LmopsError, match=r"unknown key 'train.max_step' \(did you mean 'max_steps'\?\)"):
         parse_params({"train": {"max_step": 10}})

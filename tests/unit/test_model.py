@@ -66,9 +66,23 @@ def test_round_trip_and_bad_directories(model, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
     with pytest.raises(LmopsError, match="do not match config.json"):
         Llama.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_attention_heads": 5}))
+    with pytest.raises(
+        LmopsError, match=r"invalid model config \(n_embd \(64\) must be divisible by n_head \(5\)\)"
+    ):
+        Llama.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{broken")
     with pytest.raises(LmopsError, match="unreadable model config"):
         Llama.from_pretrained(tmp_path)
     (tmp_path / "config.json").unlink()
     with pytest.raises(LmopsError, match="missing config.json"):
         Llama.from_pretrained(tmp_path)
+
+
+def test_sampling_defaults_travel_in_the_model_directory(model, tmp_path):
+    from lmops.tracking import predict_defaults
+
+    model.save_pretrained(tmp_path)
+    # What the pyfunc (and `lmops generate`, the evaluate samples) start from: unchanged values.
+    expected = {"max_tokens": 64, "temperature": 0.8, "top_k": 50, "top_p": 0.95, "seed": 1337}
+    assert predict_defaults(tmp_path) == expected

@@ -7,7 +7,6 @@ it through `EngineLoop` (loop.py), whose background thread is that owner.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import os
@@ -33,7 +32,7 @@ from lmops.engine.sequence import (
     make_output,
 )
 from lmops.errors import LmopsError
-from lmops.model import Llama, default_dtype, resolve_device
+from lmops.model import Llama, default_dtype, read_generation_config, resolve_device
 from lmops.tokenizer import load_tokenizer, token_byte_lengths
 
 log = logging.getLogger(__name__)
@@ -118,13 +117,8 @@ class LLMEngine:
         tokenizer = load_tokenizer(d)
         model = Llama.from_pretrained(d, dev, dt)
         eos = {model.config.eos_token_id}
-        gen_cfg = d / "generation_config.json"
-        if gen_cfg.is_file():
-            try:
-                value = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            except (json.JSONDecodeError, AttributeError) as exc:
-                raise LmopsError(f"{gen_cfg}: unreadable generation config ({exc})") from None
-            eos |= set(value if isinstance(value, list) else [] if value is None else [value])
+        value = read_generation_config(d).get("eos_token_id")
+        eos |= set(value if isinstance(value, list) else [] if value is None else [value])
         return cls(model, tokenizer, ec, eos_token_ids=sorted(eos))
 
     def _num_blocks(self, kv_cache_memory: int | None) -> int:
@@ -311,7 +305,7 @@ class LLMEngine:
         children = []
         for i in range(1, parent.pending_forks + 1):
             child = parent.fork(next(self._seq_ids), i, self._generator(parent.params.seed, i))
-            self.block_manager.share(parent, child)
+            self.block_manager.share(parent)
             self.scheduler.add_running(child)
             parent.request.seqs.append(child)
             children.append(child)

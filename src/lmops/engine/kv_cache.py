@@ -189,9 +189,9 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         return copies
 
-    def share(self, parent: Sequence, child: Sequence) -> None:
-        """`child` (a fork of parent) now also references every block of parent."""
-        for bid in parent.block_table:
+    def share(self, seq: Sequence) -> None:
+        """A fork of `seq` (a copy of its block table) now also references every block of it."""
+        for bid in seq.block_table:
             self._acquire(bid)
 
     def register(self, seq: Sequence, num_tokens: int) -> None:

@@ -124,19 +124,6 @@ class RequestMetrics:
             return None
         return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
 
-    def as_dict(self) -> dict:
-        return {
-            "arrival_time": self.arrival_time,
-            "queue_time": self.queue_time,
-            "ttft": self.ttft,
-            "tpot": self.tpot,
-            "e2e_latency": self.e2e_latency,
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_generation_tokens": self.num_generation_tokens,
-            "num_cached_tokens": self.num_cached_tokens,
-            "prompt_bits_per_byte": self.prompt_bits_per_byte,
-        }
-
 
 class EngineMetrics:
     """The Prometheus view of one engine; the engine calls the `on_*` hooks from its step."""

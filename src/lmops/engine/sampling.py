@@ -104,6 +104,16 @@ class SamplingParams:
         )
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
 
+    @classmethod
+    def from_generation_config(cls, generation: dict, **overrides) -> SamplingParams:
+        """The sampling a model's generation_config.json asks for (temperature, top_k, top_p,
+        seed; greedy when do_sample is false, as in transformers), `overrides` on top."""
+        keys = ("temperature", "top_k", "top_p", "seed")
+        found = {k: generation[k] for k in keys if generation.get(k) is not None}
+        if not generation.get("do_sample", False):
+            found["temperature"] = 0.0
+        return cls(**{**found, **overrides})
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

@@ -48,6 +48,15 @@ def test_valid_values_and_normalisation():
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
 
 
+def test_sampling_from_generation_config():
+    gen = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3, "max_new_tokens": 9}
+    p = SamplingParams.from_generation_config(gen, max_tokens=4, top_k=0)
+    assert (p.temperature, p.top_k, p.top_p, p.seed, p.max_tokens) == (0.7, 0, 0.9, 3, 4)
+    # As in transformers: without do_sample the model decodes greedily, whatever else it says.
+    assert SamplingParams.from_generation_config({"temperature": 0.7}).greedy
+    assert SamplingParams.from_generation_config({}, temperature=1.0).temperature == 1.0
+
+
 def row(params, generator=None, prompt=(), output=()):
     return SimpleNamespace(
         params=params, generator=generator, prompt_token_ids=list(prompt), output_token_ids=list(output)

@@ -1,0 +1,12 @@
+from lmops import cli
+from lmops.model import Llama, LlamaConfig
+from lmops.random_model import TINY
+
+
+def test_generate_samples_with_the_models_defaults_unless_a_flag_says_otherwise(tmp_path):
+    Llama(LlamaConfig(vocab_size=300, **TINY)).save_pretrained(tmp_path)
+    args = cli.build_parser().parse_args(
+        ["generate", "--model", str(tmp_path), "--prompt", "x", "--top-k", "5"]
+    )
+    s = cli._sampling(args)
+    assert (s.temperature, s.top_k, s.top_p, s.seed, s.max_tokens) == (0.8, 5, 0.95, 1337, 64)
