@@ -24,6 +24,7 @@ for arg in "$@"; do
     *) die "usage: deploy/deploy.sh [--dry-run]" ;;
   esac
 done
+
 # wait_for_canary TIMEOUT: poll the Rollout until Argo Rollouts has promoted the new
 # version (phase Healthy) or aborted it (Degraded: an analysis failed or errored, or
 # the canary was not ready within progressDeadlineSeconds). Fails on an abort, and at
