@@ -29,7 +29,7 @@ def _run_stage(name: str, args: argparse.Namespace) -> None:
     elif name == "split":
         from lmops.data import split
 
-        split(params.split)
+        split(params.split, params.model.max_seq_len)
     elif name == "tokenize":
         from lmops.tokenize import tokenize
 

@@ -33,7 +33,13 @@ Fraction = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 class DataConfig(_Section):
+    # python-stdlib, a file, a directory, a glob, or a file:// https:// s3:// az:// gs:// URL
     source: str = "python-stdlib"
+    format: Literal["auto", "text", "jsonl", "csv", "parquet"] = "auto"  # auto = from the extension
+    text_field: Annotated[str, Field(min_length=1)] = "text"  # the column/key of jsonl, csv, parquet
+    encoding_errors: Literal["strict", "replace"] = "strict"
+    document_unit: Literal["auto", "file", "row", "paragraph", "line", "chunk"] = "auto"
+    chunk_bytes: PositiveInt = 4096
     max_bytes: PositiveInt | None = None
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
 

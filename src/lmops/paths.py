@@ -10,6 +10,7 @@ from pathlib import Path
 
 RAW_DIR = Path("data/raw")
 MANIFEST_FILE = RAW_DIR / "manifest.json"
+DATA_REPORT_FILE = Path("artifacts/data_report.json")
 PROCESSED_DIR = Path("data/processed")
 TOKENIZER_DIR = Path("artifacts/tokenizer")
 MODEL_DIR = Path("artifacts/model")

@@ -21,6 +21,7 @@ from pathlib import Path
 from lmops import atomic
 from lmops.config import MlflowConfig, Params
 from lmops.errors import LmopsError
+from lmops.paths import DATA_REPORT_FILE
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,16 @@ def log_params_once(params: Params, run_id: str, extra: dict) -> None:
     batch = [Param(k, v) for k, v in todo.items() if k not in logged]
     for i in range(0, len(batch), 100):
         c.log_batch(run_id, params=batch[i : i + 100])
+
+
+def log_data_report(run_id: str, path: Path = DATA_REPORT_FILE) -> None:
+    """The data checks of the corpus this run trains on (written by `lmops split`), beside its numbers."""
+    if not path.is_file():
+        return
+    report = json.loads(path.read_text())
+    client().log_dict(run_id, report, "data_report.json")
+    counts = ("documents", "bytes", "empty_documents_dropped", "duplicates_merged")
+    log_metrics(run_id, {f"data_{k}": report.get(k) for k in counts})
 
 
 def log_metrics(run_id: str, metrics: dict[str, float | None], step: int = 0) -> None:

@@ -267,6 +267,7 @@ def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
             run_id,
             extra={"num_params": raw_model.num_params(), "world_size": ddp.world, "device": device.type},
         )
+        tracking.log_data_report(run_id)
     fault_step = int(os.environ.get(FAULT_ENV, "-1"))
 
     model.train()

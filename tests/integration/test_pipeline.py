@@ -7,13 +7,19 @@ story on it and run in file order.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sqlite3
+import stat
+import subprocess
+import time
 
 import pytest
 import torch
 
 from lmops.model import MODEL_FILES, Llama
-from tests.conftest import BIN, make_project, run, write_params
+from lmops.promote import FAULT_ENV
+from tests.conftest import BIN, env, make_project, run, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -137,6 +143,116 @@ def test_new_data_re_evaluates_the_champion(project):
         tags["test_split_sha256"]
         == json.loads((project / "artifacts/metrics.json").read_text())["test_split_sha256"]
     )
+
+
+def served_meta(project) -> dict:
+    return json.loads((project / "production_service/model/lmops.json").read_text())
+
+
+def test_a_promotion_killed_after_the_alias_moved_is_recovered(project):
+    write_params(project, {"train": {"max_steps": 20}}, base=project / "params.yaml")  # beats 4 steps
+    held = served_meta(project)["model_version"]
+    crash = run([str(BIN / "dvc"), "repro"], project, check=False, env={**env(), FAULT_ENV: "1"})
+    assert crash.returncode != 0
+    champion = registry(project).get_model_version_by_alias("lmops", "champion")
+    assert int(champion.version) != held and served_meta(project)["model_version"] == held  # apart
+
+    out = run([str(BIN / "dvc"), "repro"], project)  # the stage never finished: it runs again
+    assert ran_stages(out.stdout) == ["promote"]
+    assert f"holds lmops v{held}, not @champion v{champion.version}: re-exporting" in out.stderr
+    promotion = json.loads((project / "artifacts/promotion.json").read_text())
+    assert not promotion["promoted"] and promotion["reason"] == f"v{champion.version} is already @champion"
+    meta = served_meta(project)
+    assert meta["model_version"] == int(champion.version) and meta["run_id"] == champion.run_id
+    # The promoted model's test bits/byte (the drift reference) travels with it.
+    assert meta["metrics"]["test_bits_per_byte"] == promotion["candidate_bits_per_byte"]
+    assert ran_stages(repro(project)) == []
+
+
+def test_promote_restores_a_missing_export_from_the_registry(project):
+    served, candidate, aside = (
+        project / "production_service/model",
+        project / "artifacts/model",
+        project / "model-aside",
+    )
+    shutil.rmtree(served)
+    candidate.rename(aside)  # the champion must come from the registry, not the working tree
+    try:
+        out = run([str(BIN / "lmops"), "promote"], project, check=False)
+    finally:
+        aside.rename(candidate)
+    assert out.returncode == 1 and "missing lmops.json" in out.stderr.splitlines()[-1]  # no candidate...
+    champion = registry(project).get_model_version_by_alias("lmops", "champion")
+    meta = served_meta(project)  # ...but the reconciliation ran first
+    assert meta["model_version"] == int(champion.version) and meta["run_id"] == champion.run_id
+    assert meta["metrics"]["test_bits_per_byte"] == float(champion.tags["test_bits_per_byte"])
+    assert stat.S_IMODE(served.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in served.iterdir()} == {0o644}
+    for name in MODEL_FILES:
+        assert (served / name).read_bytes() == (candidate / name).read_bytes()
+
+
+def registry_state(project) -> tuple:
+    client = registry(project)
+    versions = client.search_model_versions("name = 'lmops'")
+    return (
+        client.get_model_version_by_alias("lmops", "champion").version,
+        sorted((v.version, tuple(sorted(v.tags.items()))) for v in versions),
+        (project / "production_service/model/lmops.json").read_bytes(),
+        (project / "artifacts/promotion.json").read_bytes(),
+    )
+
+
+def lock(project, how: str) -> sqlite3.Connection:
+    """Hold a real sqlite lock on mlflow.db, as another writer would."""
+    conn = sqlite3.connect(project / "mlflow.db", isolation_level=None, check_same_thread=False)
+    conn.execute(f"BEGIN {how}")
+    return conn
+
+
+def test_a_locked_tracking_store_is_one_clear_line_and_changes_nothing(project):
+    before = registry_state(project)
+    conn = lock(project, "IMMEDIATE")  # reads go through, the first write waits and fails
+    try:
+        started = time.monotonic()
+        # --force: a new "promotion" tag to write (a promote with nothing to change needs no write).
+        out = run([str(BIN / "lmops"), "promote", "--force"], project, check=False)
+        waited = time.monotonic() - started
+    finally:
+        conn.rollback()
+        conn.close()
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "[SQL:" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("lmops promote: error: MLflow tracking store sqlite:///mlflow.db is locked")
+    assert waited > 20  # MLflow's busy timeout retried first
+    assert registry_state(project) == before
+
+
+def test_a_brief_lock_is_waited_out(project):
+    conn = lock(project, "EXCLUSIVE")  # even reads wait
+    try:
+        proc = subprocess.Popen(
+            [str(BIN / "lmops"), "promote"], cwd=project, env=env(), stderr=subprocess.PIPE, text=True
+        )
+        db = os.path.realpath(project / "mlflow.db")
+        deadline = time.monotonic() + 120
+        while db not in {os.path.realpath(f"/proc/{proc.pid}/fd/{fd}") for fd in _fds(proc.pid)}:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(2)  # promote is now waiting on the lock
+    finally:
+        conn.rollback()
+        conn.close()
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "is already @champion" in stderr
+
+
+def _fds(pid: int) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return []
 
 
 def test_push_and_pull_through_a_local_remote(project, tmp_path):

@@ -1,129 +1,188 @@
+"""get_data's documents and the split: units, the size cap, split methods, duplicates, the report."""
+
 import functools
-import hashlib
-import http.server
-import threading
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lmops.config import DataConfig, SplitConfig
-from lmops.data import FILE_HEADER, assign_splits, cap_documents, documents, get_data, split, stdlib_corpus
+from lmops.data import (
+    _chunks,
+    _lines,
+    _paragraphs,
+    assign_splits,
+    cap_documents,
+    get_data,
+    read_documents,
+    split,
+)
 from lmops.errors import LmopsError
+from lmops.sources import FILE_HEADER, stdlib_files
 
 SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
+def write_corpus(raw: Path, docs: list[str]) -> None:
+    """What get_data writes, for split tests that choose their own documents."""
+    raw.mkdir(parents=True, exist_ok=True)
+    encoded = [d.encode() for d in docs]
+    (raw / "corpus.txt").write_bytes(b"".join(encoded))
+    (raw / "doc_offsets.bin").write_bytes(np.cumsum([len(e) for e in encoded]).astype("<u8").tobytes())
+
+
+def split_texts(out: Path) -> dict[str, str]:
+    return {n: (out / f"{n}.txt").read_text() for n in ("train", "val", "test")}
+
+
 @functools.cache
-def _stdlib() -> str:
-    return stdlib_corpus().decode("utf-8")
+def _stdlib_names() -> list[str]:
+    return [name for name, _ in stdlib_files()]
 
 
-def test_stdlib_corpus_is_sorted_offline_and_has_no_tests():
-    text = _stdlib()
-    names = [line[len(FILE_HEADER) :] for line in text.splitlines() if line.startswith(FILE_HEADER)]
-    assert names == sorted(names)
-    assert len(names) > 300 and 5_000_000 < len(text) < 20_000_000
+def test_stdlib_source_is_sorted_offline_and_has_no_tests(tmp_path):
+    names = [n.removeprefix("python-stdlib/") for n in _stdlib_names()]
+    assert names == sorted(names) and len(names) > 300
     assert not [n for n in names if "/test/" in f"/{n}" or n.split("/")[-1].startswith("test_")]
     assert "os.py" in names and "json/decoder.py" in names
-    assert stdlib_corpus().decode() == text  # deterministic
+    manifest = get_data(DataConfig(max_bytes=200_000), tmp_path)
+    assert manifest["document_unit"] == "file" and manifest["capped"] and manifest["bytes"] <= 200_000
+    assert manifest["files"] == _stdlib_names()[: len(manifest["files"])]  # read in order, stopped at the cap
+    docs = read_documents(tmp_path)
+    assert len(docs) == manifest["documents"] and all(d.startswith(FILE_HEADER) for d in docs)
+    assert all(d.endswith("\n\n") and not d.endswith("\n\n\n") for d in docs[:-1])  # the last may be cut
+    assert get_data(DataConfig(max_bytes=200_000), tmp_path / "again")["sha256"] == manifest["sha256"]
 
 
-def test_documents_round_trip():
-    docs = documents(_stdlib()[:300_000])
-    assert "".join(docs) == _stdlib()[:300_000]
-    assert all(d.startswith(FILE_HEADER) for d in docs)
-    paragraphs = documents("a\nb\n\nc\n\n\nd\n")
-    assert paragraphs == ["a\nb\n\n", "c\n\n\n", "d\n"]
-
-
-def test_cap_keeps_whole_documents_within_budget():
-    docs = ["aaaa", "bbbbbbbbbb", "cc", "d"]
-    assert cap_documents(docs, 7) == ["aaaa", "cc", "d"]
-    assert cap_documents(docs, None) == docs
-    with pytest.raises(LmopsError, match="smaller than every document"):
-        cap_documents(["aaaa"], 2)
-
-
-def test_get_data_local_file_and_manifest(tmp_path):
-    src = tmp_path / "corpus.txt"
-    src.write_text("one\n\ntwo\n\nthree\n")
-    for source in (str(src), src.as_uri()):
-        manifest = get_data(DataConfig(source=source), tmp_path / "raw")
-        assert manifest["documents"] == 3 and manifest["bytes"] == src.stat().st_size
-        assert manifest["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
-        assert (tmp_path / "raw" / "corpus.txt").read_bytes() == src.read_bytes()
-
-
-def test_get_data_over_real_http(tmp_path):
-    (tmp_path / "c.txt").write_text("alpha\n\nbeta\n\ngamma\n")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        base = f"http://127.0.0.1:{server.server_address[1]}"
-        assert get_data(DataConfig(source=f"{base}/c.txt"), tmp_path / "raw")["documents"] == 3
-        with pytest.raises(LmopsError, match="could not fetch.*404"):
-            get_data(DataConfig(source=f"{base}/missing.txt"), tmp_path / "raw2")
-    finally:
-        server.shutdown()
-    assert not (tmp_path / "raw2").exists()  # nothing half-written
+def test_pieces_of_a_text():
+    text = "a\nb\n\nc\n\n\nd\r\n\r\ne\x0cf\nlast"
+    assert _lines(text) == ["a\n", "b\n", "\n", "c\n", "\n", "\n", "d\r\n", "\r\n", "e\x0cf\n", "last"]
+    assert list(_paragraphs(text)) == ["a\nb\n\n", "c\n\n\n", "d\r\n\r\n", "e\x0cf\nlast"]
+    assert list(_chunks("aaaa\nbb\ncc\n" + "x" * 20 + "\nd\n", 8)) == [
+        "aaaa\nbb\n",
+        "cc\n",
+        "x" * 20 + "\n",
+        "d\n",
+    ]
 
 
 @pytest.mark.parametrize(
-    ("content", "needle"),
+    ("unit", "expected"),
     [
-        (b"", "corpus is empty"),
-        (b"  \n\n ", "corpus is empty"),
-        (b"good line\nbad \xff byte\n", r"not UTF-8: byte 0xff at offset 14 \(line 2, column 5\)"),
+        ("paragraph", ["one\ntwo\n\n", "three\n"]),
+        ("line", ["one\n", "two\n", "three\n"]),  # the blank line is an empty document, dropped
+        ("chunk", ["one\ntwo\n\n", "three\n"]),
+        ("file", ["one\ntwo\n\nthree\n\n"]),
     ],
 )
-def test_bad_corpus_is_rejected_and_nothing_written(tmp_path, content, needle):
-    src = tmp_path / "c.txt"
-    src.write_bytes(content)
-    with pytest.raises(LmopsError, match=needle):
-        get_data(DataConfig(source=str(src)), tmp_path / "raw")
-    assert not (tmp_path / "raw").exists()
+def test_units_of_a_text_file(tmp_path, unit, expected):
+    (tmp_path / "c.txt").write_text("one\ntwo\n\nthree")
+    manifest = get_data(
+        DataConfig(source=str(tmp_path / "c.txt"), document_unit=unit, chunk_bytes=9), tmp_path / "raw"
+    )
+    assert read_documents(tmp_path / "raw") == expected
+    assert manifest["document_unit"] == unit and manifest["empty_documents_dropped"] == (unit == "line")
 
 
-def test_source_errors(tmp_path):
-    with pytest.raises(LmopsError, match="no such file"):
-        get_data(DataConfig(source=str(tmp_path / "absent.txt")), tmp_path)
-    with pytest.raises(LmopsError, match="unsupported source 'ftp://x'"):
-        get_data(DataConfig(source="ftp://x"), tmp_path)
-    src = tmp_path / "c.txt"
-    src.write_text("a\n\nb\n")
-    with pytest.raises(LmopsError, match="sha256 mismatch"):
-        get_data(DataConfig(source=str(src), sha256="0" * 64), tmp_path / "raw")
-    assert not (tmp_path / "raw").exists()
+def test_auto_unit(tmp_path):
+    (tmp_path / "para.txt").write_text("p1\n\np2\n\np3\n")
+    (tmp_path / "lines.txt").write_text("".join(f"sentence {i}.\n" for i in range(100)))
+    cfg = {"chunk_bytes": 200}
+    assert (
+        get_data(DataConfig(source=str(tmp_path / "para.txt"), **cfg), tmp_path / "a")["document_unit"]
+        == "paragraph"
+    )
+    manifest = get_data(DataConfig(source=str(tmp_path / "lines.txt"), **cfg), tmp_path / "b")
+    assert (
+        manifest["document_unit"] == "chunk" and manifest["documents"] == 7
+    )  # 1290 bytes in 200-byte chunks of lines
+    assert (tmp_path / "b/corpus.txt").read_text() == (tmp_path / "lines.txt").read_text()
+    assert get_data(DataConfig(source=str(tmp_path / "*.txt")), tmp_path / "c")["document_unit"] == "file"
+    (tmp_path / "t.jsonl").write_text('{"text": "x"}\n{"text": "y"}\n')
+    assert get_data(DataConfig(source=str(tmp_path / "t.jsonl")), tmp_path / "d")["document_unit"] == "row"
+    with pytest.raises(LmopsError, match="document_unit: row needs a table"):
+        get_data(DataConfig(source=str(tmp_path / "para.txt"), document_unit="row"), tmp_path / "e")
 
 
-def test_split_is_deterministic_disjoint_and_complete(tmp_path):
+def test_rows_can_be_cut_into_paragraphs(tmp_path):
+    (tmp_path / "books.jsonl").write_text(
+        json.dumps({"text": "a\n\nb"}) + "\n" + json.dumps({"text": "c"}) + "\n"
+    )
+    get_data(DataConfig(source=str(tmp_path / "books.jsonl"), document_unit="paragraph"), tmp_path / "raw")
+    assert read_documents(tmp_path / "raw") == ["a\n\n", "b\n", "c\n"]
+
+
+def test_cap_ends_at_a_document_boundary():
+    docs = ["aaaa\n", "bbbbbbbbb\n", "cc\n"]
+    assert cap_documents(docs, 12) == (["aaaa\n"], True)  # never skips ahead to smaller documents
+    assert cap_documents(docs, None) == (docs, False)
+    assert cap_documents(docs, 100) == (docs, False)
+
+
+def test_cap_cuts_inside_a_document_larger_than_the_cap():
+    big = "".join(f"line {i}\n" for i in range(1000))
+    assert cap_documents(["ab\n", big], 50) == (
+        ["ab\n", "line 0\nline 1\nline 2\nline 3\nline 4\nline 5\n"],
+        True,
+    )
+    # a single line larger than the budget: cut at a character (not inside a UTF-8 sequence)
+    kept, capped = cap_documents(["é" * 100], 9)
+    assert kept == ["éééé"] and capped
+
+
+def test_issue_corpora_one_sentence_per_line(tmp_path):
+    """The two corpora of the issue: no blank lines, 400 KB, and 4 MB capped to 400 KB."""
+    lines = [f"This is sentence number {i} of a corpus with one record per line.\n" for i in range(60_000)]
+    (tmp_path / "small.txt").write_text("".join(lines[:6000]))
+    (tmp_path / "big.txt").write_text("".join(lines))
+    for name, max_bytes in (("small.txt", None), ("big.txt", 400_000)):
+        raw, out = tmp_path / f"{name}-raw", tmp_path / f"{name}-out"
+        manifest = get_data(DataConfig(source=str(tmp_path / name), max_bytes=max_bytes), raw)
+        assert manifest["document_unit"] == "chunk" and manifest["documents"] > 90
+        report = split(SplitConfig(), 64, raw, out, tmp_path / f"{name}-report.json")
+        assert min(report["split"][s]["documents"] for s in ("train", "val", "test")) >= 4
+    assert 400_000 - 4096 < manifest["bytes"] <= 400_000 and manifest["capped"]  # a chunk boundary
+
+
+def test_max_bytes_inside_one_huge_document(tmp_path):
+    (tmp_path / "one.txt").write_text("".join(f"row {i}\n" for i in range(100_000)))
+    manifest = get_data(
+        DataConfig(source=str(tmp_path / "one.txt"), document_unit="file", max_bytes=5000), tmp_path / "raw"
+    )
+    text = (tmp_path / "raw/corpus.txt").read_text()
+    assert manifest["documents"] == 1 and 4990 < len(text) <= 5000 and text.endswith("\n")
+    assert (tmp_path / "one.txt").read_text().startswith(text)
+
+
+def test_random_split_is_deterministic_disjoint_and_complete(tmp_path):
     docs = [f"doc {i}\n\n" for i in range(200)]
-    (tmp_path / "raw").mkdir()
-    (tmp_path / "raw" / "corpus.txt").write_text("".join(docs))
+    write_corpus(tmp_path / "raw", docs)
     cfg = SplitConfig(val_fraction=0.1, test_fraction=0.05, seed=7)
-    stats = split(cfg, tmp_path / "raw", tmp_path / "out")
-    assert {k: v["documents"] for k, v in stats.items()} == {"val": 20, "test": 10, "train": 170}
-    parts = {n: documents((tmp_path / "out" / f"{n}.txt").read_text()) for n in ("train", "val", "test")}
-    seen = [d for p in parts.values() for d in p]
-    assert sorted(seen) == sorted(docs)  # every document exactly once
+    report = split(cfg, 1, tmp_path / "raw", tmp_path / "out", tmp_path / "report.json")
+    assert {k: report["split"][k]["documents"] for k in ("train", "val", "test")} == {
+        "val": 20,
+        "test": 10,
+        "train": 170,
+    }
+    parts = split_texts(tmp_path / "out")
+    seen = [d for p in parts.values() for d in p.split("\n\n") if d]
+    assert sorted(seen) == sorted(d.strip() for d in docs)  # every document exactly once
     again = assign_splits([1] * 200, cfg)
-    assert [d for d in parts["test"]] == [docs[i] for i in again["test"]]
+    assert parts["test"] == "".join(docs[i] for i in again["test"])
     other = assign_splits([1] * 200, SplitConfig(val_fraction=0.1, test_fraction=0.05, seed=8))
     assert list(other["test"]) != list(again["test"])
 
 
 def test_tail_split_cuts_source_order_at_byte_fractions(tmp_path):
     docs = [f"doc {i:03d}\n" + "x" * (i % 7) + "\n\n" for i in range(300)]
-    (tmp_path / "raw").mkdir()
-    (tmp_path / "raw" / "corpus.txt").write_text("".join(docs))
+    write_corpus(tmp_path / "raw", docs)
     cfg = SplitConfig(method="tail", val_fraction=0.1, test_fraction=0.05)
-    split(cfg, tmp_path / "raw", tmp_path / "out")
-    parts = {n: (tmp_path / "out" / f"{n}.txt").read_text() for n in ("train", "val", "test")}
+    split(cfg, 1, tmp_path / "raw", tmp_path / "out", tmp_path / "report.json")
+    parts = split_texts(tmp_path / "out")
     assert parts["train"] + parts["val"] + parts["test"] == "".join(docs)  # source order, nothing lost
     total = len("".join(docs))
     assert abs(len(parts["val"]) - 0.1 * total) <= 16 and abs(len(parts["test"]) - 0.05 * total) <= 16
-    assert parts["test"].endswith(docs[-1]) and parts["train"].startswith(docs[0])
     # the seed plays no part: the same cut every time
     again = assign_splits(
         [len(d) for d in docs], SplitConfig(method="tail", val_fraction=0.1, test_fraction=0.05, seed=9)
@@ -139,21 +198,107 @@ def test_tail_split_gives_every_split_a_document():
 
 @pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="shared tiny Shakespeare absent")
 def test_tail_split_is_nanogpts_split_on_tiny_shakespeare():
-    """val + test = the file's last 10% (nanoGPT: data[int(n * 0.9):]) to within one paragraph."""
+    """train = the file's first 90% (nanoGPT: data[:int(n * 0.9)]) to within one paragraph."""
     text = SHAKESPEARE.read_text()
-    docs = documents(text)
+    docs = list(_paragraphs(text))
     got = assign_splits(
         [len(d) for d in docs], SplitConfig(method="tail", val_fraction=0.05, test_fraction=0.05)
     )
-    heldout = "".join(docs[i] for i in got["val"]) + "".join(docs[i] for i in got["test"])
-    assert text.endswith(heldout)
-    assert abs(len(text) - len(heldout) - int(len(text) * 0.9)) < 100
+    train = "".join(docs[i] for i in got["train"])
+    assert text.startswith(train) and abs(len(train) - int(len(text) * 0.9)) < 100
 
 
-def test_split_needs_enough_documents(tmp_path):
-    (tmp_path / "raw").mkdir()
-    (tmp_path / "raw" / "corpus.txt").write_text("only\n\ntwo\n")
-    with pytest.raises(LmopsError, match="need at least 3"):
-        split(SplitConfig(), tmp_path / "raw", tmp_path / "out")
+@pytest.mark.parametrize(("method", "dropped"), [("random", 0), ("tail", 2)])
+def test_duplicates_never_land_in_two_splits(tmp_path, method, dropped):
+    docs = [f"doc {i}\n\n" for i in range(100)]
+    docs += [" doc  3 \n\n", "doc 50\n\n", "doc 99\n\n", "doc 99\n\n"]  # whitespace-normalised copies
+    write_corpus(tmp_path / "raw", docs)
+    cfg = SplitConfig(method=method, val_fraction=0.2, test_fraction=0.2)
+    report = split(cfg, 1, tmp_path / "raw", tmp_path / "out", tmp_path / "report.json")
+    assert report["documents"] == 104 and report["duplicates_merged"] == 4
+    # random deals each copy with its first; tail drops the copies of doc 3 and doc 50 (in train) from test
+    assert report["duplicates_dropped"] == dropped
+    assert sum(report["split"][s]["documents"] for s in ("train", "val", "test")) == 104 - dropped
+    keys = {
+        n: {" ".join(d.split()) for d in t.split("\n\n") if d}
+        for n, t in split_texts(tmp_path / "out").items()
+    }
+    assert not (keys["train"] & keys["val"] or keys["train"] & keys["test"] or keys["val"] & keys["test"])
+    assert set.union(*keys.values()) == {f"doc {i}" for i in range(100)}
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+
+
+def test_tail_split_empty_after_merging_duplicates(tmp_path):
+    write_corpus(tmp_path / "raw", [f"doc {i}\n" for i in range(20)] + ["doc 1\n"] * 3)
+    cfg = SplitConfig(method="tail", val_fraction=0.1, test_fraction=0.05)
+    with pytest.raises(
+        LmopsError, match="split 'test' would be empty: its 1 document.s. all copy documents of an"
+    ):
+        split(cfg, 1, tmp_path / "raw", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_report(tmp_path):
+    (tmp_path / "c.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in ["a" * 10, "", "a" * 10, "b" * 30, "  ", "c" * 50])
+    )
+    get_data(DataConfig(source=str(tmp_path / "c.jsonl")), tmp_path / "raw")
+    report = split(
+        SplitConfig(method="tail", val_fraction=0.3, test_fraction=0.3),
+        1,
+        tmp_path / "raw",
+        tmp_path / "out",
+        tmp_path / "r.json",
+    )
+    assert report["empty_documents_dropped"] == 2 and report["duplicates_merged"] == 1
+    assert (
+        report["duplicates_dropped"] == 0 and report["split"]["train"]["documents"] == 2
+    )  # copies in one split
+    assert report["documents"] == 4 and report["bytes"] == 12 + 32 + 52 + 12 and report["files"] == 1
+    assert report["document_bytes"] == {
+        "min": 12,
+        "p10": 12,
+        "p50": 22,
+        "p90": 46,
+        "p99": 51,
+        "max": 52,
+        "mean": 27.0,
+    }
+    assert report["split"]["method"] == "tail" and report["split"]["test"] == {"documents": 1, "bytes": 52}
+
+
+@pytest.mark.parametrize(
+    ("docs", "max_seq_len", "fraction", "needle"),
+    [
+        (["one one\n", "two two\n"], 1, 0.3, r"corpus has 2 distinct document\(s\); need at least 3"),
+        (["same\n"] * 5, 1, 0.3, r"corpus has 1 distinct document"),
+        (
+            [f"d{i}\n" for i in range(10)],
+            64,
+            0.3,
+            r"too small to train on: 30 bytes; the minimum is .* = 198 bytes",
+        ),
+        (["x" * 500 + "\n", "y\n", "z\n"], 64, 0.3, r"split '\w+' has 2 bytes, too small to train on.* = 66"),
+        (
+            [f"d{i}\n" for i in range(4)],
+            1,
+            0.45,
+            r"split 'train' would be empty: 4 distinct documents are too few",
+        ),
+    ],
+)
+def test_split_refuses_what_cannot_train_and_writes_nothing(tmp_path, docs, max_seq_len, fraction, needle):
+    write_corpus(tmp_path / "raw", docs)
+    cfg = SplitConfig(val_fraction=fraction, test_fraction=fraction)
+    with pytest.raises(LmopsError, match=needle):
+        split(cfg, max_seq_len, tmp_path / "raw", tmp_path / "out", tmp_path / "r.json")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "r.json").exists()
+
+
+def test_split_needs_get_data_first(tmp_path):
     with pytest.raises(LmopsError, match="run `lmops get_data` first"):
-        split(SplitConfig(), tmp_path / "nothing", tmp_path / "out")
+        split(SplitConfig(), 1, tmp_path / "nothing", tmp_path / "out")
+    write_corpus(tmp_path / "raw", ["a\n", "b\n", "c\n"])
+    (tmp_path / "raw/corpus.txt").write_text("a\nb\n")
+    with pytest.raises(LmopsError, match="does not match .*run `lmops get_data` again"):
+        split(SplitConfig(), 1, tmp_path / "raw", tmp_path / "out")

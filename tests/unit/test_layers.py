@@ -19,6 +19,7 @@ PIPELINE = [
     "lmops.config",
     "lmops.paths",
     "lmops.data",
+    "lmops.sources",
     "lmops.tokenize",
     "lmops.random_model",
     "lmops.train",
