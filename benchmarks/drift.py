@@ -8,8 +8,9 @@ Two workloads, all requests submitted at once, greedy, EOS ignored:
           for the sampled prompts' tokens)
   prefix  32 requests sharing a 512-token prefix + 16 own tokens, 16 new tokens (a sampled
           request also gives up its prefix-cache hit: its whole prompt is prefilled)
-Each rate gets its own engine; the rates alternate for `--rounds` rounds and the median
-wall time counts (after the first round the shared prefix is cached, as in steady serving). Model: as benchmarks/engine.py (random default size, context 1024).
+Each rate gets its own engine; the rates alternate for `--rounds` rounds and the best
+wall time counts (other jobs on a shared machine only ever add time). Every round brings
+new prompts of the same lengths; only the shared prefix stays cached, as in steady serving. Model: as benchmarks/engine.py (random default size, context 1024).
 Prints a table; writes benchmarks/results/drift-<device>.json.
 """
 
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -34,28 +35,34 @@ from lmops.model import default_dtype, resolve_device
 RATES = (0.0, EngineConfig().drift_sample, 1.0)
 
 
-def workloads(vocab: int, ctx: int, quick: bool) -> dict[str, tuple[list[list[int]], int]]:
+def workloads(vocab: int, ctx: int, quick: bool, rounds: int) -> dict[str, tuple[list[list[list[int]]], int]]:
+    """Per workload: one prompt list per round (new token ids each round, the same lengths,
+    so no round finds another's prompts cached; only the shared prefix stays), new tokens."""
     rng = random.Random(4)
-    hi = min(512, ctx - 32)
-    mixed = [
-        [rng.randrange(3, vocab) for _ in range(rng.randint(16, hi))] for _ in range(16 if quick else 64)
-    ]
+    lengths = [rng.randint(16, min(512, ctx - 32)) for _ in range(16 if quick else 64)]
     prefix = [rng.randrange(3, vocab) for _ in range(min(512, ctx - 32))]
-    shared = [prefix + [rng.randrange(3, vocab) for _ in range(16)] for _ in range(8 if quick else 32)]
-    return {"mixed": (mixed, 32), "prefix": (shared, 16)}
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    return {
+        "mixed": ([[ids(n) for n in lengths] for _ in range(rounds)], 32),
+        "prefix": ([[prefix + ids(16) for _ in range(8 if quick else 32)] for _ in range(rounds)], 16),
+    }
 
 
-def measure(engines: dict[float, object], prompts: list[list[int]], new: int, rounds: int) -> dict:
+def measure(engines: dict[float, object], rounds: list[list[list[int]]], new: int) -> dict:
     seconds = {rate: [] for rate in engines}
-    for _ in range(rounds):
+    for prompts in rounds:
         for rate, engine in engines.items():
             t = time.perf_counter()
             outs = engine.generate(prompts, greedy(new))
             sync(engine.device)
             seconds[rate].append(time.perf_counter() - t)
             assert all(len(o.token_ids) == new for o in outs)
+    prompts = rounds[0]
     tokens = sum(len(p) + new for p in prompts)
-    base = statistics.median(seconds[0.0])
+    base = min(seconds[0.0])
     return {
         "requests": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
@@ -63,8 +70,8 @@ def measure(engines: dict[float, object], prompts: list[list[int]], new: int, ro
         "by_rate": {
             str(rate): {
                 "seconds_rounds": s,
-                "tokens_per_s": tokens / statistics.median(s),
-                "throughput_vs_off": base / statistics.median(s),
+                "tokens_per_s": tokens / min(s),
+                "throughput_vs_off": base / min(s),
                 "scored_prompts": engines[rate].metrics.registry.get_sample_value(
                     "lmops:prompt_bits_per_byte_count"
                 ),
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", type=Path, help="model directory (default: random model of the default size)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true", help="fewer requests, one round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (as benchmarks/engine.py)")
     ap.add_argument("--out", type=Path, help="JSON path (default results/drift-<device>.json)")
     args = ap.parse_args(argv)
@@ -109,9 +116,13 @@ def main(argv: list[str] | None = None) -> dict:
             "torch": torch.__version__,
             "rounds": 1 if args.quick else args.rounds,
         }
-        for name, (prompts, new) in workloads(some.config.vocab_size, some.max_model_len, args.quick).items():
-            print(f"{name}: {len(prompts)} requests", file=sys.stderr)
-            res[name] = measure(engines, prompts, new, res["rounds"])
+        load_before = os.getloadavg()  # 1-minute averages: was anything else running?
+        for name, (rounds, new) in workloads(
+            some.config.vocab_size, some.max_model_len, args.quick, res["rounds"]
+        ).items():
+            print(f"{name}: {len(rounds[0])} requests", file=sys.stderr)
+            res[name] = measure(engines, rounds, new)
+        res["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     print(table(res))
     out = args.out or RESULTS / f"drift-{device.type}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ _STRIP = (
     r"\boffset\s+-?\w+",
 )
 _KEYWORDS = {"and", "or", "unless", "bool", "by", "without", "on", "ignoring", "group_left", "group_right"}
-_KEYWORDS |= {"inf", "nan", "offset", "start", "end"}
+_KEYWORDS |= {"inf", "nan", "offset"}
 
 
 def metric_names(expr: str) -> set[str]:
