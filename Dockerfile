@@ -48,6 +48,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HOME=/tmp \
     HOST=0.0.0.0 \
     PORT=5001 \
+    LMOPS_PROBE_PORT=5002 \
     LMOPS_MODEL_DIR=/app/production_service/model
 RUN groupadd --system --gid 10001 lmops \
     && useradd --system --uid 10001 --gid lmops --no-create-home \
@@ -58,7 +59,7 @@ WORKDIR /app
 COPY params.yaml ./
 COPY production_service/ production_service/
 USER 10001:10001
-EXPOSE 5001
+EXPOSE 5001 5002
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('PORT', '5001') + '/health', timeout=4)"]
-CMD ["gunicorn", "--config", "production_service/gunicorn.conf.py", "production_service.app:create_app()"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('LMOPS_PROBE_PORT', '5002') + '/health', timeout=4)"]
+CMD ["gunicorn", "--config", "production_service/gunicorn.conf.py"]

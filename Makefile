@@ -56,8 +56,8 @@ format: install ## apply ruff's formatting and safe fixes
 mlflow-ui: install ## MLflow UI on the tracking store the pipeline wrote (http://127.0.0.1:5000)
 	$(BIN)/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}
 
-serve: install ## serve the promoted model with gunicorn on :5001 (HOST/PORT/LMOPS_* env honoured)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/gunicorn --config production_service/gunicorn.conf.py "production_service.app:create_app()"
+serve: install ## serve the promoted model with gunicorn on :5001, probes on :5002 (HOST/PORT/LMOPS_* env honoured)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/lmops serve
 
 clean: ## remove pipeline outputs (keeps .venv and the DVC cache)
 	rm -rf data/raw data/processed artifacts/* production_service/model mlflow.db

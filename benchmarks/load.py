@@ -41,7 +41,6 @@ from urllib.parse import urlparse
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-sys.path.insert(0, str(REPO))  # production_service is not an installed package
 
 
 @dataclass
@@ -135,7 +134,7 @@ def http_client(url: str, api_key: str | None, max_tokens: int, texts: list[str]
                 done = True
             elif line.startswith(b"data: {"):
                 last = line
-                if b'"choices": []' not in line:  # the usage chunk carries no token
+                if json.loads(line[6:])["choices"]:  # the usage chunk carries no token
                     token_times.append(time.monotonic())
         if not done:
             local.conn = None
@@ -170,50 +169,36 @@ def start_engine(model_dir: Path, device: str):
     from production_service.config import ServiceConfig
 
     config = ServiceConfig(device=device)
-    engine = LLMEngine.from_pretrained(model_dir, dtype="auto", **config.engine_kwargs())
+    engine = LLMEngine.from_pretrained(model_dir, config.engine)
     engine.generate(["warm up"], SamplingParams(max_tokens=8))
     return EngineLoop(engine, max_queued=config.max_queued).start()
 
 
 def start_server(model_dir: Path, device: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from production_service.server import gunicorn_argv, wait_ready
+
+    ports = []
+    for _ in range(2):  # the API port and the probe port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
     env = {
         **os.environ,
         "HOST": "127.0.0.1",
-        "PORT": str(port),
+        "PORT": str(ports[0]),
+        "LMOPS_PROBE_PORT": str(ports[1]),
         "LMOPS_MODEL_DIR": str(model_dir),
         "LMOPS_DEVICE": device,
     }
     env.pop("LMOPS_API_KEY", None)
     with tempfile.NamedTemporaryFile(prefix="lmops-load-", suffix=".log", delete=False) as log:
-        proc = subprocess.Popen(
-            [
-                str(Path(sys.executable).parent / "gunicorn"),
-                "--config",
-                "production_service/gunicorn.conf.py",
-                "production_service.app:create_app()",
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/ready")
-            if conn.getresponse().status == 200:
-                print(f"server ready at {url} (log {log.name})", file=sys.stderr)
-                return proc, url
-        except OSError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"server did not become ready; see {log.name}")
+        proc = subprocess.Popen(gunicorn_argv(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{ports[0]}"
+    if not wait_ready(url, proc, timeout=120):
+        proc.kill()
+        raise SystemExit(f"server did not become ready; see {log.name}")
+    print(f"server ready at {url} (log {log.name})", file=sys.stderr)
+    return proc, url
 
 
 def build_random_model(directory: Path) -> Path:

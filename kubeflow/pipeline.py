@@ -64,8 +64,19 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
         return stage("get_data", "--out", "data/raw", raw.path)
 
     @dsl.container_component
-    def split(raw: Input[Dataset], splits: Output[Dataset]):
-        return stage("split", "--in", "data/raw", raw.path, "--out", "data/processed", splits.path)
+    def split(raw: Input[Dataset], splits: Output[Dataset], report: Output[Artifact]):
+        return stage(
+            "split",
+            "--in",
+            "data/raw",
+            raw.path,
+            "--out",
+            "data/processed",
+            splits.path,
+            "--out",
+            "artifacts/data_report.json",
+            report.path,
+        )
 
     @dsl.container_component
     def tokenize(splits: Input[Dataset], tokens: Output[Dataset], tokenizer: Output[Artifact]):
@@ -86,6 +97,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
     def train(
         mlflow_tracking_uri: str,
         raw: Input[Dataset],
+        report: Input[Artifact],
         tokens: Input[Dataset],
         tokenizer: Input[Artifact],
         model: Output[Model],
@@ -97,6 +109,9 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
             "--in",
             "data/raw",
             raw.path,
+            "--in",
+            "artifacts/data_report.json",
+            report.path,
             "--in",
             "data/processed",
             tokens.path,
@@ -163,11 +178,12 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
     @dsl.pipeline(name="lmops", description="corpus -> tokenizer -> model -> metrics -> MLflow @champion")
     def lmops_pipeline(mlflow_tracking_uri: str):
         raw = get_data().outputs["raw"]
-        splits = split(raw=raw).outputs["splits"]
-        tok = tokenize(splits=splits)
+        split_task = split(raw=raw)
+        tok = tokenize(splits=split_task.outputs["splits"])
         trained = train(
             mlflow_tracking_uri=mlflow_tracking_uri,
             raw=raw,
+            report=split_task.outputs["report"],
             tokens=tok.outputs["tokens"],
             tokenizer=tok.outputs["tokenizer"],
         )

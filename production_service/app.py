@@ -1,9 +1,11 @@
-"""The Flask app: OpenAI-compatible /v1/completions and /v1/models, the simple
-/predict, probes, /metrics and /openapi.json, over one engine loop per process.
+"""The Flask app: OpenAI-compatible /v1/completions and /v1/models and the simple
+/predict (the `api` blueprint), and /health, /ready, /metrics, /openapi.json (the
+`ops` blueprint), over one engine loop per process.
 
 gunicorn runs `create_app()` in its (single) worker, so the engine and its
 background loop live there and every request of the replica joins one
-continuous batch.
+continuous batch. The `ops` endpoints are also served on their own probe port
+(`probe_app`), so probes answer while every API thread is busy.
 """
 
 from __future__ import annotations
@@ -12,20 +14,32 @@ import functools
 import hmac
 import json
 import re
+import select
+import socket
 import uuid
 
-from flask import Flask, Response, g, jsonify, request
+from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from production_service import completions, errors
 from production_service.config import ServiceConfig
 from production_service.errors import APIError
-from production_service.observability import HttpMetrics, configure_logging
-from production_service.openapi import RequestValidator, build_document
+from production_service.observability import HttpMetrics, RequestStats, configure_logging
 from production_service.runtime import Runtime
+from production_service.schemas import (
+    UNLOADED,
+    ModelCard,
+    ModelList,
+    Prediction,
+    build_document,
+    request_models,
+    validate,
+)
 
-_MODEL_ENDPOINTS = {"completions", "predict", "models"}
 _REQUEST_ID = re.compile(r"[\w.:/+=@-]{1,128}")
+
+api = Blueprint("api", __name__)
+ops = Blueprint("ops", __name__)
 
 
 def create_app(config: ServiceConfig | None = None, *, start: bool = True) -> Flask:
@@ -33,134 +47,70 @@ def create_app(config: ServiceConfig | None = None, *, start: bool = True) -> Fl
     config = config or ServiceConfig.from_env()
     configure_logging()
     runtime = Runtime(config)
-    http = HttpMetrics(lambda: runtime.ready)
-    validator = functools.lru_cache(maxsize=2)(RequestValidator)
-    document = functools.lru_cache(maxsize=2)(build_document)
-
-    app = Flask(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
-    app.json.sort_keys = False
-    app.extensions["lmops"] = runtime
-    errors.register(app)
-
-    @app.before_request
-    def _begin():
-        rid = request.headers.get("X-Request-ID", "")
-        g.stats = completions.RequestStats(rid if _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex)
-        if request.endpoint not in _MODEL_ENDPOINTS:
-            return
-        if config.api_key is not None:
-            _authorize(config.api_key)
-        if runtime.state in ("draining", "stopped"):
-            raise APIError(503, "The server is shutting down.", code="shutting_down")
-        if not runtime.ready:
-            raise APIError(
-                503,
-                "The model is not loaded yet." if runtime.state == "loading" else "The model failed to load.",
-                code="not_ready",
-            )
-
-    @app.after_request
-    def _end(response: Response):
-        stats = g.get("stats") or completions.RequestStats(uuid.uuid4().hex)
-        response.headers["X-Request-ID"] = stats.request_id
-        if response.status_code >= 400 and response.is_json:
-            stats.error = ((response.get_json(silent=True) or {}).get("error") or {}).get("code")
-        handler = request.url_rule.rule if request.url_rule else "unmatched"
-        response.call_on_close(
-            functools.partial(http.finish, stats, request.method, request.path, handler, response.status_code)
-        )
-        return response
-
-    def validated(schema: str) -> dict:
-        body = validator(runtime.limits)(schema, _json_body())
-        model = body.get("model")
-        if model is not None and model != runtime.model.name:
-            raise APIError(
-                404,
-                f"The model {model!r} does not exist; this server serves {runtime.model.name!r}.",
-                code="model_not_found",
-                param="model",
-            )
-        return body
-
-    @app.post("/v1/completions", endpoint="completions")
-    def _completions():
-        body = validated("CompletionRequest")
-        jobs = completions.submit(runtime, body, g.stats)
-        completion_id = f"cmpl-{g.stats.request_id}"
-        if body.get("stream"):
-            events = completions.stream_events(runtime, jobs, body, g.stats, completion_id)
-            return Response(
-                events,
-                mimetype="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        return jsonify(completions.complete(runtime, jobs, body, g.stats, completion_id))
-
-    @app.post("/predict", endpoint="predict")
-    def _predict():
-        body = validated("PredictRequest")
-        jobs = completions.submit(runtime, body, g.stats)
-        result = completions.complete(runtime, jobs, body, g.stats, f"cmpl-{g.stats.request_id}")
-        choice = result["choices"][0]
-        return jsonify(
-            {
-                "completion": choice["text"],
-                "model": result["model"],
-                "prompt_tokens": g.stats.prompt_tokens,
-                "completion_tokens": g.stats.completion_tokens,
-                "finish_reason": choice["finish_reason"],
-            }
-        )
-
-    @app.get("/v1/models", endpoint="models")
-    def _models():
-        m = runtime.model
-        return jsonify(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": m.name,
-                        "object": "model",
-                        "created": runtime.created,
-                        "owned_by": "lmops",
-                        "max_model_len": runtime.limits.max_model_len,
-                        "version": m.version,
-                        "run_id": m.run_id,
-                        "source": m.source,
-                    }
-                ],
-            }
-        )
-
-    @app.get("/health")
-    def _health():
-        if runtime.healthy():
-            return jsonify({"status": runtime.state})
-        raise APIError(503, runtime.error or "The engine loop has failed or is stuck.", code="unhealthy")
-
-    @app.get("/ready")
-    def _ready():
-        if runtime.ready:
-            return jsonify({"status": "ready"})
-        raise APIError(503, f"Not ready: {runtime.state}.", code="not_ready")
-
-    @app.get("/metrics")
-    def _metrics():
-        text = generate_latest(http.registry)
-        if runtime.engine is not None:
-            text += generate_latest(runtime.engine.metrics.registry)
-        return Response(text, mimetype=CONTENT_TYPE_LATEST.split(";")[0], content_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/openapi.json")
-    def _openapi():
-        return jsonify(document(runtime.limits, config.api_key is not None))
-
+    app = _flask(runtime, HttpMetrics(lambda: runtime.ready), api, ops)
     if start:
-        runtime.start()
+        app.extensions["lmops"].start()
     return app
+
+
+def probe_app(app: Flask) -> Flask:
+    """The `ops` endpoints of `app` alone, sharing its runtime and metrics: what the
+    probe port serves."""
+    return _flask(app.extensions["lmops"], app.extensions["lmops.http"], ops)
+
+
+def _flask(runtime: Runtime, http: HttpMetrics, *blueprints: Blueprint) -> Flask:
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = runtime.config.max_body_bytes
+    app.json.sort_keys = False
+    app.extensions["lmops"], app.extensions["lmops.http"] = runtime, http
+    errors.register(app)
+    app.before_request(_begin)
+    app.after_request(_end)
+    for blueprint in blueprints:
+        app.register_blueprint(blueprint)
+    return app
+
+
+def _runtime() -> Runtime:
+    return current_app.extensions["lmops"]
+
+
+def _begin() -> None:
+    rid = request.headers.get("X-Request-ID", "")
+    g.stats = RequestStats(rid if _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex)
+
+
+def _end(response: Response) -> Response:
+    stats = g.get("stats") or RequestStats(uuid.uuid4().hex)
+    response.headers["X-Request-ID"] = stats.request_id
+    if response.status_code >= 400 and response.is_json:
+        stats.error = ((response.get_json(silent=True) or {}).get("error") or {}).get("code")
+    handler = request.url_rule.rule if request.url_rule else "unmatched"
+    http = current_app.extensions["lmops.http"]
+    response.call_on_close(
+        functools.partial(http.finish, stats, request.method, request.path, handler, response.status_code)
+    )
+    return response
+
+
+# -- the model endpoints ---------------------------------------------------------------
+
+
+@api.before_request
+def _admit() -> None:
+    """Authorized, and a model that is ready to take the request."""
+    runtime = _runtime()
+    if runtime.config.api_key is not None:
+        _authorize(runtime.config.api_key)
+    if runtime.state in ("draining", "stopped"):
+        raise APIError(503, "The server is shutting down.", code="shutting_down")
+    if not runtime.ready:
+        raise APIError(
+            503,
+            "The model is not loaded yet." if runtime.state == "loading" else "The model failed to load.",
+            code="not_ready",
+        )
 
 
 def _authorize(key: str) -> None:
@@ -175,20 +125,155 @@ def _authorize(key: str) -> None:
         )
 
 
+def _validated(which: int):
+    """The body as the endpoint's request model (0: completion, 1: predict), sized
+    against the context before anything looks at it item by item."""
+    runtime = _runtime()
+    body = _json_body(runtime.config.max_body_bytes)
+    completions.check_prompt_size(body, runtime.limits)
+    request_model = request_models(runtime.limits)[which]
+    valid = validate(request_model, body)
+    model = getattr(valid, "model", None)
+    if model is not None and model != runtime.model.name:
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist; this server serves {runtime.model.name!r}.",
+            code="model_not_found",
+            param="model",
+        )
+    return valid
+
+
+@api.post("/v1/completions", endpoint="completions")
+def _completions():
+    runtime, stats = _runtime(), g.stats
+    body = _validated(0)
+    jobs = completions.submit(runtime, body, stats)
+    completion_id = f"cmpl-{stats.request_id}"
+    if body.stream:
+        return Response(
+            completions.stream_events(runtime, jobs, body, stats, completion_id),
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    done = completions.complete(
+        runtime, jobs, stats, completion_id, _client_gone(), n=body.n or 1, echo=bool(body.echo)
+    )
+    return _json(done)
+
+
+@api.post("/predict", endpoint="predict")
+def _predict():
+    runtime, stats = _runtime(), g.stats
+    body = _validated(1)
+    jobs = completions.submit(runtime, body, stats)
+    done = completions.complete(runtime, jobs, stats, f"cmpl-{stats.request_id}", _client_gone())
+    [choice] = done.choices
+    return _json(
+        Prediction(
+            completion=choice.text,
+            model=done.model,
+            prompt_tokens=stats.prompt_tokens,
+            completion_tokens=stats.completion_tokens,
+            finish_reason=choice.finish_reason,
+        )
+    )
+
+
+@api.get("/v1/models", endpoint="models")
+def _models():
+    runtime = _runtime()
+    m = runtime.model
+    card = ModelCard(
+        id=m.name,
+        created=runtime.created,
+        max_model_len=runtime.limits.max_model_len,
+        version=m.version,
+        run_id=m.run_id,
+        source=m.source,
+    )
+    return _json(ModelList(data=[card]))
+
+
+# -- probes, metrics, the document ---------------------------------------------------------
+
+
+@ops.get("/health")
+def _health():
+    runtime = _runtime()
+    if runtime.healthy():
+        return jsonify({"status": runtime.state})
+    raise APIError(503, runtime.error or "The engine loop has failed or is stuck.", code="unhealthy")
+
+
+@ops.get("/ready")
+def _ready():
+    runtime = _runtime()
+    if runtime.ready:
+        return jsonify({"status": "ready"})
+    raise APIError(503, f"Not ready: {runtime.state}.", code="not_ready")
+
+
+@ops.get("/metrics")
+def _metrics():
+    runtime = _runtime()
+    text = generate_latest(current_app.extensions["lmops.http"].registry)
+    if runtime.engine is not None:
+        text += generate_latest(runtime.engine.metrics.registry)
+    return Response(text, mimetype=CONTENT_TYPE_LATEST.split(";")[0], content_type=CONTENT_TYPE_LATEST)
+
+
+@ops.get("/openapi.json")
+def _openapi():
+    runtime = _runtime()
+    return jsonify(build_document(runtime.limits or UNLOADED, runtime.config.api_key is not None))
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _json(model) -> Response:
+    return Response(model.model_dump_json(), mimetype="application/json")
+
+
+def _client_gone():
+    """A check whether the client closed its connection (readable with nothing to
+    read); always False outside gunicorn (no socket in the environ)."""
+    sock = request.environ.get("gunicorn.socket")
+
+    def gone() -> bool:
+        if sock is None:
+            return False
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    return gone
+
+
 def _no_constants(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _json_body() -> object:
-    """The body as JSON: 415 for another media type, 400 when it does not parse."""
+def _json_body(limit: int) -> object:
+    """The body as JSON: 415 for another media type, 413 over the limit (a chunked
+    body too: werkzeug would silently cut it at the limit), 400 when it does not parse."""
     if request.mimetype != "application/json" and not request.mimetype.endswith("+json"):
         raise APIError(
             415,
             f"Content-Type must be application/json, got {request.mimetype or 'none'!r}.",
             code="unsupported_media_type",
         )
+    if request.content_length is None and request.environ.get("wsgi.input_terminated"):
+        data = request.environ["wsgi.input"].read(limit + 1)
+        if len(data) > limit:
+            raise APIError(413, f"The body is over the {limit}-byte limit.", code="request_too_large")
+    else:
+        data = request.get_data(cache=False)
     try:
-        body = json.loads(request.get_data(cache=False), parse_constant=_no_constants)
+        body = json.loads(data, parse_constant=_no_constants)
         json.dumps(body, ensure_ascii=False).encode("utf-8")  # lone surrogates cannot be tokenized
     except (ValueError, RecursionError, UnicodeError) as exc:
         raise APIError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None

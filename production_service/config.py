@@ -1,116 +1,111 @@
-"""Service settings: one parser for the environment, shared by `create_app` and
-gunicorn.conf.py, so the app and the server never disagree on a default."""
+"""Service settings from the environment (pydantic-settings), shared by `create_app`
+and gunicorn.conf.py, so the app and the server never disagree on a default.
+
+`HOST` and `PORT`, `LMOPS_<NAME>` for every service field, and `LMOPS_<FIELD>` for
+every field of `lmops.engine.EngineConfig` (LMOPS_DEVICE, LMOPS_BLOCK_SIZE,
+LMOPS_MAX_NUM_SEQS, ...): a field added to EngineConfig is a setting here with no
+change to this file.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from lmops.engine.config import EngineConfig
 from lmops.errors import LmopsError
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model"
+ENV_PREFIX = "LMOPS_"
+_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 
 
-@dataclass(frozen=True)
-class ServiceConfig:
-    host: str = "0.0.0.0"
-    port: int = 5001
+class ServiceConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_ignore_empty=True, frozen=True, extra="forbid", validate_by_name=True
+    )
+
+    host: str = Field("0.0.0.0", validation_alias="HOST")
+    port: int = Field(5001, ge=0, validation_alias="PORT")
+    # /health, /ready, /metrics, /openapi.json on their own port and threads
+    # (0 = none), so probes answer while every request thread is taken.
+    probe_port: int = Field(5002, ge=0)
     model_dir: Path = DEFAULT_MODEL_DIR
     model_uri: str | None = None  # e.g. models:/lmops@champion; wins over model_dir
     api_key: str | None = None
-    threads: int | None = None  # None: enough for every running and queued request
-    timeout: int = 120
-    graceful_timeout: int = 30
-    max_queued: int = 64
-    max_body_bytes: int = 1 << 20
-    device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    drift_sample: float = 0.1
+    threads: int | None = Field(None, ge=1)  # None: enough for every running and queued request
+    timeout: int = Field(120, ge=1)
+    graceful_timeout: int = Field(30, ge=1)
+    # A client must send its request line and headers within this many seconds of its
+    # first byte, or its connection is closed (frees the thread a trickling client holds).
+    header_timeout: float = Field(10.0, gt=0)
+    max_queued: int = Field(64, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     # gunicorn.conf.py sets it: a worker that cannot load its model exits with
     # gunicorn's WORKER_BOOT_ERROR, so the master halts instead of respawning it.
     exit_on_load_failure: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_fields_at_top_level(cls, data: Any) -> Any:
+        """`ServiceConfig(device="cpu")` sets `engine.device`, as LMOPS_DEVICE does."""
+        if isinstance(data, dict) and any(k in data for k in _ENGINE_FIELDS):
+            data = dict(data)
+            engine = data.get("engine") or {}
+            engine = dataclasses.asdict(engine) if isinstance(engine, EngineConfig) else dict(engine)
+            engine.update({k: data.pop(k) for k in _ENGINE_FIELDS if k in data})
+            data["engine"] = engine
+        return data
+
     @property
     def worker_threads(self) -> int:
-        """A thread per running and queued request (plus probes), so a full queue
+        """A thread per running and queued request (plus a few), so a full queue
         answers 429 instead of leaving connections waiting for a thread."""
-        return self.threads or self.max_num_seqs + self.max_queued + 8
-
-    def engine_kwargs(self) -> dict:
-        return {
-            "device": self.device,
-            "block_size": self.block_size,
-            "kv_cache_memory": self.kv_cache_memory,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "drift_sample": self.drift_sample,
-        }
+        return self.threads or self.engine.max_num_seqs + self.max_queued + 8
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ServiceConfig:
-        env = os.environ if env is None else env
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, *args, **kwargs):
+        return init_settings, env_settings, _EngineEnv(settings_cls)
 
-        def text(name: str) -> str | None:
-            value = env.get(name, "").strip()
-            return value or None
+    @classmethod
+    def from_env(cls) -> ServiceConfig:
+        """The settings, or one line naming the variable that is wrong."""
+        try:
+            return cls()
+        except ValidationError as exc:
+            error = exc.errors(include_url=False)[0]
+            message = error["msg"].removeprefix("Value error, ")
+            raise LmopsError(f"{_env_name(error['loc'], message)}: {message}") from None
 
-        def integer(name: str, default: int | None, minimum: int = 1) -> int | None:
-            value = text(name)
-            if value is None:
-                return default
-            try:
-                number = int(value)
-            except ValueError:
-                raise LmopsError(f"{name}={value!r} is not an integer") from None
-            if number < minimum:
-                raise LmopsError(f"{name}={number} must be >= {minimum}")
-            return number
 
-        def flag(name: str, default: bool) -> bool:
-            value = text(name)
-            if value is None:
-                return default
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise LmopsError(f"{name}={value!r} is not a boolean (true/false)")
+class _EngineEnv(PydanticBaseSettingsSource):
+    """LMOPS_<FIELD> for every EngineConfig field."""
 
-        def fraction(name: str, default: float) -> float:
-            value = text(name)
-            try:
-                number = default if value is None else float(value)
-            except ValueError:
-                raise LmopsError(f"{name}={value!r} is not a number") from None
-            if not 0 <= number <= 1:
-                raise LmopsError(f"{name}={value} must be between 0 and 1")
-            return number
+    def get_field_value(self, field, field_name):  # the whole `engine` dict comes from __call__
+        return None, field_name, False
 
-        d = cls()
-        return cls(
-            host=text("HOST") or d.host,
-            port=integer("PORT", d.port, minimum=0),
-            model_dir=Path(text("LMOPS_MODEL_DIR") or d.model_dir),
-            model_uri=text("LMOPS_MODEL_URI"),
-            api_key=text("LMOPS_API_KEY"),
-            threads=integer("LMOPS_THREADS", None),
-            timeout=integer("LMOPS_TIMEOUT", d.timeout),
-            graceful_timeout=integer("LMOPS_GRACEFUL_TIMEOUT", d.graceful_timeout),
-            max_queued=integer("LMOPS_MAX_QUEUED", d.max_queued),
-            max_body_bytes=integer("LMOPS_MAX_BODY_BYTES", d.max_body_bytes),
-            device=text("LMOPS_DEVICE") or d.device,
-            block_size=integer("LMOPS_BLOCK_SIZE", d.block_size),
-            max_num_seqs=integer("LMOPS_MAX_NUM_SEQS", d.max_num_seqs),
-            max_num_batched_tokens=integer("LMOPS_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
-            kv_cache_memory=integer("LMOPS_KV_CACHE_MEMORY", None),
-            enable_prefix_caching=flag("LMOPS_ENABLE_PREFIX_CACHING", d.enable_prefix_caching),
-            drift_sample=fraction("LMOPS_DRIFT_SAMPLE", d.drift_sample),
-            exit_on_load_failure=flag("LMOPS_EXIT_ON_LOAD_FAILURE", False),
-        )
+    def __call__(self) -> dict[str, Any]:
+        values = {}
+        for name in _ENGINE_FIELDS:
+            value = os.environ.get(ENV_PREFIX + name.upper(), "").strip()
+            if value:
+                values[name] = value
+        return {"engine": values} if values else {}
+
+
+def _env_name(loc: tuple, message: str) -> str:
+    """The variable behind a validation error's location."""
+    if loc[:1] == ("engine",):
+        # an EngineConfig.__post_init__ error names the field first in its message
+        name = loc[1] if len(loc) > 1 else message.split(" ")[0]
+        return ENV_PREFIX + str(name).upper()
+    if not loc:
+        return "settings"
+    name = str(loc[0])  # a field's name, or its alias (HOST, PORT)
+    return ENV_PREFIX + name.upper() if name in ServiceConfig.model_fields else name

@@ -1,9 +1,10 @@
-"""gunicorn settings for one model replica:
-`gunicorn --config production_service/gunicorn.conf.py "production_service.app:create_app()"`.
+"""gunicorn settings for one model replica: `gunicorn --config production_service/gunicorn.conf.py`
+(the app, `wsgi_app`, is named here; `production_service.server` builds that command).
 
-One gthread worker holds the engine and its loop thread (scale out with replicas,
-not workers); the app is built in that worker after the fork (no preload), so
-nothing of the engine ever runs in the master. Every value comes from
+One worker (production_service.worker: gthread plus a request-head deadline, the
+probe port and JSON error pages) holds the engine and its loop thread (scale out
+with replicas, not workers); the app is built in that worker after the fork (no
+preload), so nothing of the engine ever runs in the master. Every value comes from
 ServiceConfig.from_env, the same parser the app uses.
 """
 
@@ -24,9 +25,10 @@ except LmopsError as exc:
 # the master stops with a non-zero status instead of respawning it forever.
 os.environ.setdefault("LMOPS_EXIT_ON_LOAD_FAILURE", "1")
 
+wsgi_app = "production_service.app:create_app()"
 bind = f"{_config.host}:{_config.port}"
 workers = 1
-worker_class = "gthread"
+worker_class = "production_service.worker.ThreadWorker"
 threads = _config.worker_threads
 timeout = _config.timeout
 graceful_timeout = _config.graceful_timeout

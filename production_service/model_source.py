@@ -75,7 +75,7 @@ def _read_meta(path: Path) -> dict:
 def _download(uri: str) -> tuple[Path, dict]:
     from mlflow.exceptions import MlflowException
 
-    from lmops.tracking import download_model_dir
+    from lmops.registry import download_model_dir
 
     path = download_model_dir(uri, Path(tempfile.mkdtemp(prefix="lmops-model-")))
     try:

@@ -1,6 +1,7 @@
-"""HTTP request counts and latencies for /metrics, and the one JSON access-log
-line per request, both written when the response is closed (for a stream:
-after its last event, or when the client went away)."""
+"""What the service records per request: `RequestStats`, filled as a request runs,
+becomes one JSON access-log line and the HTTP counts and latencies on /metrics,
+both written when the response is closed (for a stream: after its last event, or
+when the client went away)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,34 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from production_service.completions import RequestStats
 
 access_log = logging.getLogger("lmops.access")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Every label takes its value from a fixed set, so no client can grow /metrics:
+# handlers are route rules (or "unmatched"), statuses are the app's own.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+@dataclass
+class RequestStats:
+    """What the access log and the HTTP metrics need from a request, filled as it runs."""
+
+    request_id: str
+    start: float = field(default_factory=time.perf_counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float | None = None
+    error: str | None = None
+    disconnected: bool = False
+
+    def on_tokens(self, count: int) -> None:
+        if count and self.ttft is None:
+            self.ttft = time.perf_counter() - self.start
+        self.completion_tokens += count
 
 
 def configure_logging() -> None:
@@ -59,11 +80,12 @@ class HttpMetrics:
 
     def finish(self, stats: RequestStats, method: str, path: str, handler: str, status: int) -> None:
         total = time.perf_counter() - stats.start
-        self.requests.labels(method, handler, str(status)).inc()
-        self.latency.labels(method, handler).observe(total)
+        label = method if method in METHODS else "other"
+        self.requests.labels(label, handler, str(status)).inc()
+        self.latency.labels(label, handler).observe(total)
         record = {
             "request_id": stats.request_id,
-            "method": method,
+            "method": method[:16],
             "path": path[:200],
             "status": status,
             "prompt_tokens": stats.prompt_tokens,

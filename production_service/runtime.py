@@ -11,7 +11,7 @@ import time
 from production_service import faults
 from production_service.config import ServiceConfig
 from production_service.model_source import ModelInfo, resolve_model
-from production_service.openapi import Limits
+from production_service.schemas import Limits
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,13 @@ class Runtime:
         return self.loop is None or self.loop.healthy()
 
     def _load(self) -> None:
-        from lmops.engine import EngineLoop, LLMEngine, SamplingParams
+        from lmops.engine import EngineLoop, EngineMetrics, LLMEngine, SamplingParams
 
         try:
             model = resolve_model(self.config.model_dir, self.config.model_uri)
-            engine = LLMEngine.from_pretrained(model.path, dtype="auto", **self.config.engine_kwargs())
+            engine = LLMEngine.from_pretrained(model.path, self.config.engine)
             engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0, max_tokens=8))
+            engine.metrics = EngineMetrics()  # the warm-up is not a request anyone made
             loop = EngineLoop(engine, max_queued=self.config.max_queued)
             faults.inject(engine, loop)  # LMOPS_FAULT_*: off unless set
         except Exception as exc:  # any failure to load is fatal: one clear line, no traceback
@@ -76,6 +77,7 @@ class Runtime:
                 max_model_len=engine.max_model_len,
                 vocab_size=engine.config.vocab_size,
                 max_num_seqs=engine.max_num_seqs,
+                max_token_chars=max(map(len, engine.tokenizer.get_vocab())),
             )
             self.created = int(time.time())
             self.state = "ready"

@@ -63,11 +63,13 @@ def _sampling(args: argparse.Namespace):
 
 
 def _engine(args: argparse.Namespace, **settings):
-    """The engine on `--model`: EngineConfig's defaults, `--device` and `settings` on top."""
+    """The engine on `--model`: EngineConfig's defaults, `--device`, `--quantization` and `settings` on top."""
     from lmops.engine import LLMEngine
 
     if args.device is not None:
         settings["device"] = args.device
+    if args.quantization is not None:
+        settings["quantization"] = args.quantization
     return LLMEngine.from_pretrained(args.model, **settings)
 
 
@@ -117,16 +119,12 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    os.environ.setdefault("LMOPS_MODEL_DIR", str(args.model))
-    os.execvp(
-        "gunicorn",
-        [
-            "gunicorn",
-            "--config",
-            "production_service/gunicorn.conf.py",
-            "production_service.app:create_app()",
-        ],
-    )
+    """Replace this process with gunicorn serving the model (production_service.server)."""
+    from production_service.server import gunicorn_argv
+
+    os.environ.setdefault("LMOPS_MODEL_DIR", str(args.model.resolve()))
+    argv = gunicorn_argv()
+    os.execv(argv[0], argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         for flag, kind in (("--temperature", float), ("--top-k", int), ("--top-p", float), ("--seed", int)):
             p.add_argument(flag, type=kind, help="default: the model's generation_config.json")
         p.add_argument("--device", help="auto (default: CUDA when present), cpu, cuda, cuda:N")
+        p.add_argument("--quantization", choices=["int8"], help="int8: weight-only int8 (default: none)")
     srv = sub.add_parser("serve", help="run the inference service (gunicorn) on a model directory")
     srv.add_argument("--model", type=Path, default=Path("production_service/model"))
     return parser

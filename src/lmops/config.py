@@ -94,8 +94,12 @@ class TrainConfig(_Section):
     beta1: Fraction = 0.9
     beta2: Fraction = 0.95
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
-    eval_interval: PositiveInt = 100
+    eval_interval: PositiveInt = 50
     eval_batches: PositiveInt = 8
+    # Export (and register) the weights with the lowest validation loss seen, not the last ones.
+    keep_best: bool = True
+    # Stop after this many evaluations without a lower validation loss; null = never stop early.
+    early_stopping_patience: PositiveInt | None = None
     checkpoint_interval: PositiveInt = 100
     log_interval: PositiveInt = 10
     threads: Annotated[int, Field(ge=0)] = 0  # 0 = torch default

@@ -96,10 +96,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+) -> torch.Tensor:
     """Plain causal self-attention over whole sequences; (B, T, H, D) in and out."""
     y = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        dropout_p=dropout_p,
+        is_causal=True,
+        enable_gqa=True,
     )
     return y.transpose(1, 2)
 
@@ -112,14 +119,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
 
     def forward(self, x, cos, sin, cache: AttentionCache | None):
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, self.n_head, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
-        y = causal_attention(q, k, v) if cache is None else cache.attend(self.layer, q, k, v)
-        return self.o_proj(y.reshape(B, T, -1))
+        if cache is None:
+            y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
+        else:
+            y = cache.attend(self.layer, q, k, v)
+        return F.dropout(self.o_proj(y.reshape(B, T, -1)), self.dropout, self.training)
 
 
 class MLP(nn.Module):
@@ -128,9 +139,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return F.dropout(y, self.dropout, self.training)
 
 
 class DecoderLayer(nn.Module):

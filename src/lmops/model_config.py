@@ -27,6 +27,9 @@ class LlamaShape(BaseModel):
     rope_theta: Annotated[float, Field(gt=0)] = 10000.0
     norm_eps: Annotated[float, Field(gt=0)] = 1e-5
     tie_embeddings: bool = True
+    # Training-only regularisation (attention weights, both residual branches); off in eval and
+    # export. config.json carries it as HF's `attention_dropout`, also training-only there.
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
 
     @model_validator(mode="after")
     def _heads_divide(self) -> LlamaShape:
@@ -67,6 +70,7 @@ class LlamaConfig(LlamaShape):
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu",
             "attention_bias": False,
+            "attention_dropout": self.dropout,
             "mlp_bias": False,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
@@ -87,6 +91,7 @@ class LlamaConfig(LlamaShape):
             rope_theta=float(rope_theta),
             norm_eps=hf.get("rms_norm_eps", 1e-5),
             tie_embeddings=hf.get("tie_word_embeddings", False),
+            dropout=hf.get("attention_dropout", 0.0),
             bos_token_id=hf.get("bos_token_id", 1),
             eos_token_id=hf.get("eos_token_id", 2),
         )

@@ -21,7 +21,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from lmops import atomic, tracking
+from lmops import atomic, registry, tracking
 from lmops.config import Params, PromoteConfig
 from lmops.errors import LmopsError
 from lmops.evaluate import evaluate_dir, read_model_meta, read_test_split
@@ -40,7 +40,7 @@ def champion_score(params: Params, champion, test_text: str, test_sha: str) -> t
     if tags.get("test_split_sha256") == test_sha and METRIC in tags:
         return float(tags[METRIC]), "measured on the same test split"
     with tempfile.TemporaryDirectory(prefix="lmops-champion-") as tmp:
-        model_dir = tracking.download_model_dir(f"models:/{champion.name}/{champion.version}", Path(tmp))
+        model_dir = registry.download_model_dir(f"models:/{champion.name}/{champion.version}", Path(tmp))
         bpb = evaluate_dir(model_dir, test_text, params.evaluate, params.train.device)["bits_per_byte"]
     client = tracking.client()
     client.set_model_version_tag(champion.name, champion.version, METRIC, str(bpb))
@@ -77,7 +77,7 @@ def reconcile(cfg: PromoteConfig, model_dir: Path) -> None:
     local_run = read_model_meta(model_dir).get("run_id") if (model_dir / "lmops.json").is_file() else None
     with tempfile.TemporaryDirectory(prefix="lmops-export-") as tmp:
         if local_run != champion.run_id:
-            model_dir = tracking.download_model_dir(f"models:/{cfg.model_name}/{champion.version}", Path(tmp))
+            model_dir = registry.download_model_dir(f"models:/{cfg.model_name}/{champion.version}", Path(tmp))
         run_metrics = tracking.client().get_run(champion.run_id).data.metrics
         metrics = {
             **read_model_meta(model_dir).get("metrics", {}),

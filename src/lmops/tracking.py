@@ -189,24 +189,16 @@ def log_model(run_id: str, model_dir: Path) -> None:
         )
 
 
+def set_tags(run_id: str, tags: dict[str, str]) -> None:
+    RunTag = _mlflow().entities.RunTag
+    client().log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
 def end_run(run_id: str, status: str = "FINISHED") -> None:
     client().set_terminated(run_id, status=status)
 
 
 # -- registry and promotion ---------------------------------------------------------
-
-
-def download_model_dir(model_uri: str, dst: Path) -> Path:
-    """Download a logged model (`models:/name@alias`, `runs:/...`) into `dst`; return its model directory."""
-    mlflow = _mlflow()
-    try:
-        root = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dst)))
-    except mlflow.exceptions.MlflowException as exc:
-        raise LmopsError(f"could not download {model_uri}: {exc.message}") from None
-    for config in sorted(root.rglob("config.json")):
-        if (config.parent / "model.safetensors").is_file():
-            return config.parent
-    raise LmopsError(f"{model_uri} holds no model directory (no config.json + model.safetensors)")
 
 
 def champion_version(name: str, alias: str):

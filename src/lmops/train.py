@@ -5,28 +5,36 @@ Determinism is by construction: the batch of (step, micro-step, rank) is drawn
 from an RNG seeded with exactly those numbers, so "data position" is just the
 step counter, and a run killed at any point and resumed from its last
 checkpoint replays the same batches and ends with the same weights.
+
+The exported model is the best one seen, not the last (`train.keep_best`): the
+lowest validation loss at any evaluation, whose weights ride along in every
+checkpoint so resume picks the same step; `train.early_stopping_patience` ends
+the run once validation has stopped improving.
+
+Structure: `_setup` builds a `Run` (everything the run works with) and its
+`Progress` (what a checkpoint saves); `_loop` calls `_train_step`, `_evaluate`
+and `_checkpoint`; `_finish` exports and closes the MLflow run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from lmops import atomic, tracking
+from lmops.checkpoint import fingerprint, load_checkpoint, load_weights, save_checkpoint, weights_of
 from lmops.config import Params, TrainConfig
 from lmops.errors import LmopsError
 from lmops.model import MODEL_FILES, Llama, LlamaConfig, resolve_device
@@ -80,9 +88,13 @@ def batch(
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Dense matmul FLOP/s on this device: the denominator of our MFU estimate."""
+    """Dense matmul FLOP/s on this device: the denominator of our MFU estimate.
+
+    Draws from its own generator: the global RNG drives dropout, and a resumed run
+    must see the same stream as an uninterrupted one.
+    """
     n = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=dtype)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(0))
     a @ a  # warm-up
     reps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < 0.3:
@@ -91,74 +103,6 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return 2 * n**3 * reps / (time.perf_counter() - t0)
-
-
-def fingerprint(params: Params, world: int, train_bin: Path) -> str:
-    """What a checkpoint must match to be resumed: config, world size and the exact data."""
-    h = hashlib.sha256(
-        json.dumps(
-            {"model": params.model.model_dump(), "train": params.train.model_dump(), "world": world},
-            sort_keys=True,
-        ).encode()
-    )
-    h.update(hashlib.sha256(train_bin.read_bytes()).digest())
-    return h.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def save_checkpoint(ckpt_dir: Path, model: Llama, opt: torch.optim.Optimizer, state: dict) -> None:
-    with atomic.directory(ckpt_dir) as tmp:
-        weights = {
-            k: v.detach().cpu().contiguous()
-            for k, v in model.state_dict().items()
-            if not (model.config.tie_embeddings and k == "lm_head.weight")
-        }
-        save_file(weights, str(tmp / "model.safetensors"))
-        opt_state = opt.state_dict()
-        tensors = {"rng.torch": torch.get_rng_state()}
-        for idx, slots in opt_state["state"].items():
-            for name, value in slots.items():
-                tensors[f"optim.{idx}.{name}"] = value.detach().cpu().contiguous()
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        state = {
-            **state,
-            "param_groups": opt_state["param_groups"],
-            "sha256": {f: _sha256(tmp / f) for f in ("model.safetensors", "optimizer.safetensors")},
-        }
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
-
-
-def load_checkpoint(ckpt_dir: Path, model: Llama, opt: torch.optim.Optimizer) -> dict:
-    """Restore weights, optimizer and RNG; a damaged checkpoint is an error, never ignored."""
-    hint = f"delete {ckpt_dir} to train from scratch"
-    try:
-        state = json.loads((ckpt_dir / "state.json").read_text())
-        for name, digest in state["sha256"].items():
-            if _sha256(ckpt_dir / name) != digest:
-                raise LmopsError(
-                    f"checkpoint {ckpt_dir}: {name} is corrupt or truncated (sha256 mismatch); {hint}"
-                )
-        weights = load_file(str(ckpt_dir / "model.safetensors"))
-        tensors = load_file(str(ckpt_dir / "optimizer.safetensors"))
-    except LmopsError:
-        raise
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
-        raise LmopsError(f"checkpoint {ckpt_dir} is unreadable ({exc}); {hint}") from None
-    if model.config.tie_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    device = next(model.parameters()).device
-    model.load_state_dict({k: v.to(device) for k, v in weights.items()})
-    slots: dict[int, dict] = {}
-    for key, value in tensors.items():
-        if key.startswith("optim."):
-            _, idx, name = key.split(".", 2)
-            slots.setdefault(int(idx), {})[name] = value if name == "step" else value.to(device)
-    opt.load_state_dict({"state": slots, "param_groups": state["param_groups"]})
-    torch.set_rng_state(tensors["rng.torch"])
-    return state
 
 
 def make_optimizer(model: Llama, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -205,161 +149,276 @@ def export_model(model: Llama, directory: Path, meta: dict) -> None:
         assert not missing, missing
 
 
+@dataclass
+class Progress:
+    """Where a run stands. Saved in every checkpoint, so a resumed run continues exactly."""
+
+    step: int = 0
+    tokens: int = 0
+    run_id: str | None = None
+    history: list[dict] = field(default_factory=list)
+    best_step: int | None = None
+    best_val_loss: float | None = None
+    evals_since_best: int = 0
+    stop_reason: str | None = None
+
+    def record_eval(self, step: int, val_loss: float) -> bool:
+        """Count one evaluation; True when it is the lowest validation loss so far."""
+        if self.best_val_loss is not None and val_loss >= self.best_val_loss:
+            self.evals_since_best += 1
+            return False
+        self.best_step, self.best_val_loss, self.evals_since_best = step, val_loss, 0
+        return True
+
+    def patience_exhausted(self, patience: int | None) -> bool:
+        return patience is not None and self.evals_since_best >= patience
+
+
+@dataclass
+class Run:
+    """Everything one training run works with, built once by `_setup`."""
+
+    params: Params
+    device: torch.device
+    ddp: Dist
+    model: Llama  # the weights; `forward` is this model or its DDP wrapper
+    forward: torch.nn.Module
+    opt: torch.optim.Optimizer
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    autocast: contextlib.AbstractContextManager
+    fingerprint: str
+    ckpt_dir: Path
+    manifest: dict
+    progress: Progress
+    best: dict[str, torch.Tensor] | None = None  # CPU copy of the best weights (keep_best, main rank)
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.params.train
+
+
 def train(
     params: Params, data_dir: Path = PROCESSED_DIR, out_dir: Path = MODEL_DIR, ckpt_dir: Path = CHECKPOINT_DIR
 ) -> dict:
-    cfg, mcfg = params.train, params.model
-    device = resolve_device(cfg.device)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    device = resolve_device(params.train.device)
+    if params.train.threads:
+        torch.set_num_threads(params.train.threads)
     ddp = setup_distributed(device)
     try:
-        return _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir)
+        run = _setup(params, device, ddp, data_dir, ckpt_dir)
+        _loop(run)
+        return _finish(run, out_dir) if ddp.main else {}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(params, cfg, mcfg, device, ddp, data_dir, out_dir, ckpt_dir) -> dict:
+def _setup(params: Params, device: torch.device, ddp: Dist, data_dir: Path, ckpt_dir: Path) -> Run:
+    """Data, model, optimizer, and the checkpoint to resume from when it matches."""
     stats_path = TOKENIZER_DIR / "stats.json"
     if not stats_path.is_file():
         raise LmopsError(f"{stats_path} not found: run `lmops tokenize` first")
     vocab_size = json.loads(stats_path.read_text())["vocab_size"]
-    train_tokens = read_tokens(data_dir / "train.bin", vocab_size)
-    val_tokens = read_tokens(data_dir / "val.bin", vocab_size)
-    manifest = json.loads(MANIFEST_FILE.read_text()) if MANIFEST_FILE.is_file() else {}
-
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model_cfg = LlamaConfig(vocab_size=vocab_size, **mcfg.model_dump())
-    model = Llama(model_cfg).to(device)
-    opt = make_optimizer(model, cfg, device)
+    torch.manual_seed(params.train.seed)  # identical initial weights on every rank
+    model = Llama(LlamaConfig(vocab_size=vocab_size, **params.model.model_dump())).to(device)
     if not ddp.main:
         log.setLevel(logging.WARNING)  # one rank reports progress
-
-    fp = fingerprint(params, ddp.world, data_dir / "train.bin")
-    start_step, history, run_id, tokens_seen = 0, [], None, 0
-    if (ckpt_dir / "state.json").is_file():
-        state = json.loads((ckpt_dir / "state.json").read_text())
-        if state.get("fingerprint") == fp:
-            state = load_checkpoint(ckpt_dir, model, opt)
-            start_step, history, run_id = state["step"], state["history"], state.get("run_id")
-            tokens_seen = state["tokens"]
-            log.info("resuming from %s at step %d", ckpt_dir, start_step)
-        else:
-            log.info("ignoring checkpoint in %s: made with other params or data", ckpt_dir)
-
-    raw_model = model
-    if ddp.world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    run = Run(
+        params=params,
+        device=device,
+        ddp=ddp,
+        model=model,
+        forward=model,
+        opt=make_optimizer(model, params.train, device),
+        train_tokens=read_tokens(data_dir / "train.bin", vocab_size),
+        val_tokens=read_tokens(data_dir / "val.bin", vocab_size),
+        autocast=(
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if device.type == "cuda"
+            else contextlib.nullcontext()
+        ),
+        fingerprint=fingerprint(params, ddp.world, data_dir / "train.bin"),
+        ckpt_dir=ckpt_dir,
+        manifest=json.loads(MANIFEST_FILE.read_text()) if MANIFEST_FILE.is_file() else {},
+        progress=Progress(),
     )
-    peak = measure_peak_flops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    flops_per_token = raw_model.flops_per_token()
-    tokens_per_step = cfg.batch_size * mcfg.max_seq_len * cfg.grad_accum_steps * ddp.world
+    _resume(run)
+    if ddp.world > 1:
+        run.forward = torch.nn.parallel.DistributedDataParallel(model)
+    return run
 
-    run = None
+
+def _resume(run: Run) -> None:
+    state_path = run.ckpt_dir / "state.json"
+    if not state_path.is_file():
+        return
+    if json.loads(state_path.read_text()).get("fingerprint") != run.fingerprint:
+        log.info("ignoring checkpoint in %s: made with other params or data", run.ckpt_dir)
+        return
+    state = load_checkpoint(run.ckpt_dir, run.model, run.opt)
+    run.progress = Progress(**{f.name: state[f.name] for f in fields(Progress) if f.name in state})
+    run.best = state["best"] if run.ddp.main else None
+    log.info("resuming from %s at step %d", run.ckpt_dir, run.progress.step)
+
+
+def _loop(run: Run) -> None:
+    cfg, ddp, progress = run.cfg, run.ddp, run.progress
+    peak = measure_peak_flops(run.device, torch.bfloat16 if run.device.type == "cuda" else torch.float32)
+    flops_per_token = run.model.flops_per_token()
+    tokens_per_step = cfg.batch_size * run.params.model.max_seq_len * cfg.grad_accum_steps * ddp.world
     if ddp.main:
-        run = tracking.start_training_run(params, run_id, manifest.get("sha256"))
-        run_id = run.info.run_id
+        progress.run_id = tracking.start_training_run(
+            run.params, progress.run_id, run.manifest.get("sha256")
+        ).info.run_id
         tracking.log_params_once(
-            params,
-            run_id,
-            extra={"num_params": raw_model.num_params(), "world_size": ddp.world, "device": device.type},
+            run.params,
+            progress.run_id,
+            extra={"num_params": run.model.num_params(), "world_size": ddp.world, "device": run.device.type},
         )
-        tracking.log_data_report(run_id)
+        tracking.log_data_report(progress.run_id)
     fault_step = int(os.environ.get(FAULT_ENV, "-1"))
-
-    model.train()
+    run.forward.train()
     bar = tqdm(
-        range(start_step, cfg.max_steps),
-        initial=start_step,
+        range(progress.step, cfg.max_steps if progress.stop_reason is None else progress.step),
+        initial=progress.step,
         total=cfg.max_steps,
         desc="train",
         unit="step",
         disable=not ddp.main,
         dynamic_ncols=True,
     )
-    t_last, tokens_last = time.perf_counter(), tokens_seen
+    t_last, tokens_last = time.perf_counter(), progress.tokens
     for step in bar:
         lr = lr_at(step, cfg)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss_sum = 0.0
-        for micro in range(cfg.grad_accum_steps):
-            x, y = batch(
-                train_tokens, mcfg.max_seq_len, cfg.batch_size, (cfg.seed, step, micro, ddp.rank), device
-            )
-            sync = micro == cfg.grad_accum_steps - 1 or ddp.world == 1
-            with contextlib.nullcontext() if sync else model.no_sync(), autocast:
-                _, loss = model(x, y)
-            (loss / cfg.grad_accum_steps).backward()
-            loss_sum += loss.item()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        tokens_seen += tokens_per_step
-        done = step + 1
+        train_loss = _train_step(run, step, lr)
+        progress.tokens += tokens_per_step
+        progress.step = done = step + 1
 
         row = None
-        if done % cfg.log_interval == 0 or done == cfg.max_steps or done % cfg.eval_interval == 0:
+        evaluate = done % cfg.eval_interval == 0 or done == cfg.max_steps
+        if done % cfg.log_interval == 0 or evaluate:
             now = time.perf_counter()
-            tps = (tokens_seen - tokens_last) / max(now - t_last, 1e-9)
-            t_last, tokens_last = now, tokens_seen
+            tps = (progress.tokens - tokens_last) / max(now - t_last, 1e-9)
+            t_last, tokens_last = now, progress.tokens
             row = {
                 "step": done,
-                "tokens": tokens_seen,
-                "train_loss": loss_sum / cfg.grad_accum_steps,
+                "tokens": progress.tokens,
+                "train_loss": train_loss,
                 "lr": lr,
                 "tokens_per_sec": tps,
                 "mfu": tps * flops_per_token / peak / ddp.world,
             }
-            bar.set_postfix(loss=f"{row['train_loss']:.3f}", tok_s=f"{tps:,.0f}")
-        if done % cfg.eval_interval == 0 or done == cfg.max_steps:
-            row["val_loss"] = estimate_val_loss(
-                raw_model, val_tokens, cfg, mcfg.max_seq_len, device, autocast
-            )
-            log.info("step %d: train %.4f val %.4f", done, row["train_loss"], row["val_loss"])
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tps:,.0f}")
+        if evaluate:
+            _evaluate(run, row)
         if row is not None and ddp.main:
-            history.append(row)
-            tracking.log_step(run_id, row)
-        if ddp.main and (done % cfg.checkpoint_interval == 0 or done == cfg.max_steps):
-            save_checkpoint(
-                ckpt_dir,
-                raw_model,
-                opt,
-                {
-                    "step": done,
-                    "fingerprint": fp,
-                    "history": history,
-                    "run_id": run_id,
-                    "tokens": tokens_seen,
-                },
-            )
-            write_log(history)
+            progress.history.append(row)
+            tracking.log_step(progress.run_id, row)
+        stop = progress.stop_reason is not None
+        if ddp.main and (done % cfg.checkpoint_interval == 0 or done == cfg.max_steps or stop):
+            _checkpoint(run)
         if done == fault_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if stop:
+            break
     bar.close()
 
-    if not ddp.main:
-        return {}
-    final = history[-1] if history else {}
+
+def _train_step(run: Run, step: int, lr: float) -> float:
+    """One optimizer step over grad_accum_steps micro-batches; returns the mean micro-batch loss."""
+    cfg, ddp = run.cfg, run.ddp
+    for group in run.opt.param_groups:
+        group["lr"] = lr
+    loss_sum = 0.0
+    for micro in range(cfg.grad_accum_steps):
+        x, y = batch(
+            run.train_tokens,
+            run.params.model.max_seq_len,
+            cfg.batch_size,
+            (cfg.seed, step, micro, ddp.rank),
+            run.device,
+        )
+        sync = micro == cfg.grad_accum_steps - 1 or ddp.world == 1
+        with contextlib.nullcontext() if sync else run.forward.no_sync(), run.autocast:
+            _, loss = run.forward(x, y)
+        (loss / cfg.grad_accum_steps).backward()
+        loss_sum += loss.item()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.forward.parameters(), cfg.grad_clip)
+    run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    return loss_sum / cfg.grad_accum_steps
+
+
+def _evaluate(run: Run, row: dict) -> None:
+    """Validation loss into `row`; track the best weights and decide on early stopping."""
+    cfg, progress = run.cfg, run.progress
+    val_loss = estimate_val_loss(
+        run.model, run.val_tokens, cfg, run.params.model.max_seq_len, run.device, run.autocast
+    )
+    if run.ddp.world > 1:  # every rank must take the same early-stopping decision
+        t = torch.tensor(val_loss, dtype=torch.float64, device=run.device)
+        dist.all_reduce(t)
+        val_loss = t.item() / run.ddp.world
+    row["val_loss"] = val_loss
+    log.info("step %d: train %.4f val %.4f", row["step"], row["train_loss"], val_loss)
+    if progress.record_eval(row["step"], val_loss) and cfg.keep_best and run.ddp.main:
+        run.best = weights_of(run.model)
+    if progress.patience_exhausted(cfg.early_stopping_patience):
+        progress.stop_reason = (
+            f"early stopping at step {row['step']}: validation loss did not improve for "
+            f"{progress.evals_since_best} evaluations (best {progress.best_val_loss:.4f} "
+            f"at step {progress.best_step})"
+        )
+        log.info("%s", progress.stop_reason)
+
+
+def _checkpoint(run: Run) -> None:
+    state = {**asdict(run.progress), "fingerprint": run.fingerprint}
+    save_checkpoint(run.ckpt_dir, run.model, run.opt, state, run.best)
+    write_log(run.progress.history)
+
+
+def _finish(run: Run, out_dir: Path) -> dict:
+    """Export the model (the best weights under keep_best), log it, close the MLflow run."""
+    progress = run.progress
+    exported = progress.history[-1] if progress.history else {}
+    if run.cfg.keep_best and run.best is not None:
+        load_weights(run.model, run.best)
+        exported = next(r for r in progress.history if r["step"] == progress.best_step)
+        log.info(
+            "keep_best: exporting the weights of step %d (val %.4f)",
+            progress.best_step,
+            progress.best_val_loss,
+        )
+    stop_reason = progress.stop_reason or f"reached max_steps ({run.cfg.max_steps})"
     meta = {
-        "run_id": run_id,
-        "data_sha256": manifest.get("sha256"),
+        "run_id": progress.run_id,
+        "data_sha256": run.manifest.get("sha256"),
         "git_commit": tracking.git_commit(),
         "metrics": {
-            "train_loss": final.get("train_loss"),
-            "val_loss": final.get("val_loss"),
-            "steps": cfg.max_steps,
-            "tokens": tokens_seen,
+            "train_loss": exported.get("train_loss"),
+            "val_loss": exported.get("val_loss"),
+            "exported_step": exported.get("step"),
+            "best_step": progress.best_step,
+            "steps": progress.step,
+            "tokens": progress.tokens,
         },
-        "num_params": raw_model.num_params(),
+        "stop_reason": stop_reason,
+        "num_params": run.model.num_params(),
     }
-    export_model(raw_model, out_dir, meta)
-    write_log(history)
-    tracking.log_model(run_id, out_dir)
-    tracking.end_run(run_id)
-    log.info("model written to %s (run %s)", out_dir, run_id)
+    export_model(run.model, out_dir, meta)
+    write_log(progress.history)
+    tracking.log_metrics(
+        progress.run_id,
+        {"best_step": progress.best_step, "best_val_loss": progress.best_val_loss},
+        step=progress.step,
+    )
+    tracking.set_tags(
+        progress.run_id, {"stop_reason": stop_reason, "exported_step": str(exported.get("step"))}
+    )
+    tracking.log_model(progress.run_id, out_dir)
+    tracking.end_run(progress.run_id)
+    log.info("model written to %s (run %s)", out_dir, progress.run_id)
     return meta

@@ -52,14 +52,11 @@ def test_image_is_multi_stage_pinned_non_root_and_serves_5001():
     runtime = steps[max(i for i, (op, _) in enumerate(steps) if op == "FROM") :]
     user = [args for op, args in runtime if op == "USER"]
     assert user and user[-1].split(":")[0] not in ("0", "root")
-    assert ("EXPOSE", "5001") in runtime
+    assert ("EXPOSE", "5001 5002") in runtime  # the API, and the probes on their own threads
     healthcheck = [args for op, args in runtime if op == "HEALTHCHECK"]
     assert healthcheck and "/health" in healthcheck[0]
     cmd = [args for op, args in runtime if op == "CMD"][-1]
-    assert cmd == (
-        '["gunicorn", "--config", "production_service/gunicorn.conf.py", '
-        '"production_service.app:create_app()"]'
-    )
+    assert cmd == '["gunicorn", "--config", "production_service/gunicorn.conf.py"]'
     assert any(op == "COPY" and "requirements.lock" in args for op, args in steps)
     assert any(op == "RUN" and "-r requirements.lock" in args for op, args in steps)
     assert any(op == "COPY" and args.startswith("production_service/") for op, args in runtime)

@@ -99,10 +99,17 @@ def test_deployment_service_hpa_pdb_as_promised():
     env = {e["name"]: e for e in container["env"]}
     assert pod["terminationGracePeriodSeconds"] > int(env["LMOPS_GRACEFUL_TIMEOUT"]["value"]) >= 30
     assert env["LMOPS_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "lmops-api-key", "key": "api-key"}
-    assert container["ports"] == [{"name": "http", "containerPort": 5001, "protocol": "TCP"}]
-    assert container["startupProbe"]["httpGet"]["path"] == "/ready"
-    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 5001, "protocol": "TCP"},
+        {"name": "probes", "containerPort": 5002, "protocol": "TCP"},
+    ]
+    assert env["LMOPS_PROBE_PORT"]["value"] == "5002"
+    for probe, path in (
+        ("startupProbe", "/ready"),
+        ("readinessProbe", "/ready"),
+        ("livenessProbe", "/health"),
+    ):
+        assert container[probe]["httpGet"] == {"path": path, "port": "probes"}  # not behind busy API threads
     for kind in ("requests", "limits"):
         assert {"cpu", "memory"} <= set(container["resources"][kind])
     assert service["spec"]["type"] == "LoadBalancer" and service["spec"]["ports"][0]["port"] == 5001

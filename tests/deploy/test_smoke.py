@@ -9,13 +9,12 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import requests
 
-from tests.deploy.conftest import BIN, REPO, SECRETS, run_script, tiny_model
+from production_service.server import gunicorn_argv, wait_ready
+from tests.deploy.conftest import REPO, SECRETS, run_script, tiny_model
 
 
 class StandIn(BaseHTTPRequestHandler):
@@ -85,6 +84,7 @@ def test_smoke_test_against_the_real_service_under_gunicorn(tmp_path):
         **os.environ,
         "HOST": "127.0.0.1",
         "PORT": str(port),
+        "LMOPS_PROBE_PORT": str(free_port()),
         "LMOPS_MODEL_DIR": str(model),
         "LMOPS_API_KEY": SECRETS["LMOPS_API_KEY"],
         "LMOPS_DEVICE": "cpu",
@@ -93,30 +93,11 @@ def test_smoke_test_against_the_real_service_under_gunicorn(tmp_path):
     }
     env.pop("LMOPS_MODEL_URI", None)
     log = tmp_path / "gunicorn.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen(
-            [
-                str(BIN / "gunicorn"),
-                "--config",
-                "production_service/gunicorn.conf.py",
-                "production_service.app:create_app()",
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    with log.open("wb") as out:  # started as the image starts it
+        server = subprocess.Popen(gunicorn_argv(), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                if requests.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        else:
+        if not wait_ready(url, server, timeout=120):
             pytest.fail(f"gunicorn did not become ready:\n{log.read_text()[-3000:]}")
         proc = run_script("smoke_test.sh", url, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr + log.read_text()[-3000:]

@@ -87,6 +87,20 @@ def test_transformers_loads_the_promoted_model(project):
         torch.testing.assert_close(hf(ids).logits, Llama.from_pretrained(served)(ids)[0], atol=1e-4, rtol=0)
 
 
+def test_int8_weights_cost_under_1pct_bits_per_byte(project):
+    from lmops.config import EvaluateConfig
+    from lmops.evaluate import score
+    from lmops.quantize import quantize
+    from lmops.tokenizer import load_tokenizer
+
+    served = project / "production_service/model"
+    text, tok = (project / "data/processed/test.txt").read_text(), load_tokenizer(served)
+    cfg = EvaluateConfig(max_batches=1000, batch_size=8)  # the whole test split
+    fp32 = score(Llama.from_pretrained(served), tok, text, cfg)["bits_per_byte"]
+    int8 = score(quantize(Llama.from_pretrained(served), "int8"), tok, text, cfg)["bits_per_byte"]
+    assert int8 != fp32 and abs(int8 / fp32 - 1) < 0.01, (fp32, int8)
+
+
 def test_registry_champion_and_pyfunc(project, monkeypatch):
     import mlflow
 

@@ -1,13 +1,17 @@
-"""Training as users run it: killed and resumed, and under torchrun with 2 processes."""
+"""Training as users run it: killed and resumed, keeping the best weights, stopping early,
+and under torchrun with 2 processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
 
+import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from lmops.train import FAULT_ENV
@@ -88,3 +92,98 @@ def test_ddp_with_two_processes_on_cpu(tokenized_project, tmp_path):
     from lmops.model import Llama
 
     Llama.from_pretrained(project / "artifacts/model")  # a complete, loadable model
+
+
+def _overfitting_project(tokenized_project, dst, train_overrides):
+    """A project whose validation loss falls, then rises: train and val follow different rules.
+
+    Both splits use the same 16 tokens, so learning their frequencies helps on both; the
+    next-token rule differs (two permutations), so learning train's rule hurts on val.
+    """
+    project = _copy(tokenized_project, dst)
+    rng = np.random.default_rng(0)
+    symbols = np.arange(100, 116)
+    for split, seed in (("train", 1), ("val", 2)):
+        follow = dict(zip(symbols, np.random.default_rng(seed).permutation(symbols), strict=True))
+        tokens = [int(rng.choice(symbols))]
+        for _ in range(20_000):  # the rule, with 10% noise so the split is not one short cycle
+            tokens.append(int(rng.choice(symbols)) if rng.random() < 0.1 else int(follow[tokens[-1]]))
+        np.asarray(tokens, dtype=np.uint16).tofile(project / f"data/processed/{split}.bin")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["model"]["dropout"] = 0.1
+    params["train"].update(
+        max_steps=30,
+        learning_rate=1.0e-2,  # val is lowest near step 8, then rises for good
+        eval_interval=2,
+        checkpoint_interval=10,
+        log_interval=2,
+        **train_overrides,
+    )
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return project
+
+
+def _val_losses(project):
+    rows = [r.split(",") for r in (project / "artifacts/plots/train_log.csv").read_text().splitlines()[1:]]
+    return {int(r[0]): float(r[3]) for r in rows if r[3]}
+
+
+def _mlflow_run(project, run_id):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{project}/mlflow.db").get_run(run_id)
+
+
+def test_keep_best_exports_the_lowest_validation_loss_and_survives_sigkill(tokenized_project, tmp_path):
+    straight = _overfitting_project(tokenized_project, tmp_path / "straight", {})
+    run([str(BIN / "lmops"), "train"], straight)
+    val = _val_losses(straight)
+    best_step = min(val, key=val.get)
+    assert best_step < 20 and val[30] > val[best_step] + 0.1, val  # validation rose again at the end
+
+    meta = json.loads((straight / "artifacts/model/lmops.json").read_text())
+    assert meta["metrics"]["best_step"] == meta["metrics"]["exported_step"] == best_step
+    assert meta["metrics"]["val_loss"] == pytest.approx(val[best_step], rel=1e-5)
+    assert meta["metrics"]["steps"] == 30 and meta["stop_reason"] == "reached max_steps (30)"
+    assert _mlflow_run(straight, meta["run_id"]).data.metrics["best_step"] == best_step
+    # The exported weights are the best ones: they score the best validation loss again.
+    from lmops.config import load_params
+    from lmops.model import Llama
+    from lmops.train import estimate_val_loss
+
+    cfg = load_params(straight / "params.yaml").train
+    tokens = np.fromfile(straight / "data/processed/val.bin", dtype=np.uint16)
+    exported = Llama.from_pretrained(straight / "artifacts/model")
+    assert estimate_val_loss(exported, tokens, cfg, 64, "cpu", contextlib.nullcontext()) == pytest.approx(
+        val[best_step], abs=1e-5
+    )
+
+    # Killed after the best step and after a checkpoint: the best weights come from the checkpoint.
+    killed = _overfitting_project(tokenized_project, tmp_path / "killed", {})
+    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), FAULT_ENV: "25"})
+    assert crash.returncode == -signal.SIGKILL
+    assert (
+        "resuming from artifacts/checkpoints at step 20" in run([str(BIN / "lmops"), "train"], killed).stderr
+    )
+    assert json.loads((killed / "artifacts/model/lmops.json").read_text())["metrics"] == meta["metrics"]
+    a, b = _weights(straight), _weights(killed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_early_stopping_stops_and_says_why(tokenized_project, tmp_path):
+    project = _overfitting_project(tokenized_project, tmp_path / "p", {"early_stopping_patience": 3})
+    out = run([str(BIN / "lmops"), "train"], project)
+    val = _val_losses(project)
+    best_step, last_step = min(val, key=val.get), max(val)
+    assert last_step == best_step + 3 * 2 < 30  # three evaluations (every 2 steps) without improvement
+    reason = f"early stopping at step {last_step}: validation loss did not improve for 3 evaluations"
+    assert reason in out.stderr
+    meta = json.loads((project / "artifacts/model/lmops.json").read_text())
+    assert meta["stop_reason"].startswith(reason) and meta["metrics"]["steps"] == last_step
+    assert meta["metrics"]["best_step"] == best_step
+    assert _mlflow_run(project, meta["run_id"]).data.tags["stop_reason"] == meta["stop_reason"]
+    # Run again: the finished (stopped) checkpoint is not trained further.
+    again = run([str(BIN / "lmops"), "train"], project)
+    assert f"resuming from artifacts/checkpoints at step {last_step}" in again.stderr
+    assert max(_val_losses(project)) == last_step

@@ -147,7 +147,7 @@ def test_compose_monitoring_profile_is_wired_to_these_files():
     proc = run(binary("promtool"), "check", "config", MONITORING / "prometheus.yml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
-    assert config["scrape_configs"][0]["static_configs"][0]["targets"] == ["lmops:5001"]
+    assert config["scrape_configs"][0]["static_configs"][0]["targets"] == ["lmops:5002"]
     provisioned = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())
     assert provisioned["datasources"][0]["url"] == "http://prometheus:9090"
 

@@ -31,7 +31,7 @@ def test_rules_dashboard_and_drift_alert_on_a_real_prometheus(prometheus, traine
 
     server = start_server(trained_model.path, tmp_path / "server.log", LMOPS_DRIFT_SAMPLE="1")
     try:
-        prom = prometheus([server.url.removeprefix("http://")])
+        prom = prometheus([server.probe_url.removeprefix("http://")])  # as deployed: the probe port
         prom.targets_up()
         # Held-out text (what the reference was measured on), one bad request, a few decodes.
         for prompt in in_distribution(trained_model.test_text, 12):

@@ -8,16 +8,15 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
 
 from production_service.app import create_app
 from production_service.config import ServiceConfig
+from production_service.server import gunicorn_argv
+from production_service.server import wait_ready as server_ready
 from tests.conftest import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,6 +66,13 @@ class Server:
     url: str
     proc: subprocess.Popen
     log: Path
+    probe_url: str
+
+    @property
+    def worker_pid(self) -> int:
+        """gunicorn's one worker process."""
+        [pid] = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        return int(pid)
 
     def log_lines(self) -> list[str]:
         return self.log.read_text(errors="replace").splitlines()
@@ -81,41 +87,22 @@ class Server:
 
 
 def start_server(model_dir: Path | None, log: Path, wait_ready: bool = True, **env: str) -> Server:
-    port = free_port()
+    port, probe_port = free_port(), free_port()
     full_env = {
         **os.environ,
         "HOST": "127.0.0.1",
         "PORT": str(port),
+        "LMOPS_PROBE_PORT": str(probe_port),
         "LMOPS_DEVICE": "cpu",
         "LMOPS_GRACEFUL_TIMEOUT": "10",
         **env,
     }
     if model_dir is not None:
         full_env["LMOPS_MODEL_DIR"] = str(model_dir)
-    gunicorn = Path(sys.executable).parent / "gunicorn"
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                str(gunicorn),
-                "--config",
-                "production_service/gunicorn.conf.py",
-                "production_service.app:create_app()",
-            ],
-            cwd=REPO,
-            env=full_env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    server = Server(f"http://127.0.0.1:{port}", proc, log)
-    if wait_ready:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if requests.get(f"{server.url}/ready", timeout=1).status_code == 200:
-                    return server
-            except requests.RequestException:  # not listening yet, or busy importing
-                pass
-            time.sleep(0.1)
+        proc = subprocess.Popen(gunicorn_argv(), cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", proc, log, f"http://127.0.0.1:{probe_port}")
+    if wait_ready and not server_ready(server.url, proc, timeout=60):
         server.stop(5)
         raise AssertionError("server did not become ready:\n" + "\n".join(server.log_lines()[-30:]))
     return server

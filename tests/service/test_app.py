@@ -4,14 +4,16 @@ the states around the model (loading, failed, full queue, shutting down)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import pytest
 
-from lmops.engine import SamplingParams
+from lmops.engine import EngineConfig, SamplingParams
 from lmops.errors import LmopsError
 from production_service import app as app_module
+from production_service import config as config_module
 from production_service.app import create_app
 from production_service.config import ServiceConfig
 from tests.service.conftest import CONTEXT, load_app
@@ -209,7 +211,7 @@ def test_openapi_document_carries_the_model_limits(client):
     doc = client.get("/openapi.json").get_json()
     assert doc["openapi"].startswith("3.1") and "/v1/completions" in doc["paths"]
     schema = doc["components"]["schemas"]["CompletionRequest"]["properties"]
-    assert schema["max_tokens"]["maximum"] == CONTEXT
+    assert schema["max_tokens"]["anyOf"][0]["maximum"] == CONTEXT
     assert "security" not in doc["paths"]["/v1/completions"]["post"]
 
 
@@ -320,18 +322,45 @@ def test_engine_failure_mid_stream_is_reported_in_band_and_by_health(model_dir):
     assert_error(completion(client), 503, "engine_unavailable")
 
 
-def test_config_from_env_names_the_bad_variable():
-    config = ServiceConfig.from_env(
-        {"PORT": "8080", "LMOPS_MODEL_URI": "models:/lmops@champion", "LMOPS_ENABLE_PREFIX_CACHING": "false"}
-    )
-    assert (config.port, config.model_uri, config.enable_prefix_caching) == (
+def test_config_from_env_names_the_bad_variable(monkeypatch):
+    monkeypatch.setenv("PORT", "8080")
+    monkeypatch.setenv("LMOPS_MODEL_URI", "models:/lmops@champion")
+    monkeypatch.setenv("LMOPS_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("LMOPS_THREADS", "")  # empty is unset
+    config = ServiceConfig.from_env()
+    assert (config.port, config.model_uri, config.engine.enable_prefix_caching) == (
         8080,
         "models:/lmops@champion",
         False,
     )
-    assert config.worker_threads == config.max_num_seqs + config.max_queued + 8
-    with pytest.raises(LmopsError, match="LMOPS_MAX_NUM_SEQS"):
-        ServiceConfig.from_env({"LMOPS_MAX_NUM_SEQS": "lots"})
-    assert ServiceConfig.from_env({"LMOPS_DRIFT_SAMPLE": "0.5"}).engine_kwargs()["drift_sample"] == 0.5
-    with pytest.raises(LmopsError, match="LMOPS_DRIFT_SAMPLE"):
-        ServiceConfig.from_env({"LMOPS_DRIFT_SAMPLE": "2"})
+    assert config.worker_threads == config.engine.max_num_seqs + config.max_queued + 8
+    monkeypatch.setenv("LMOPS_MAX_NUM_SEQS", "lots")
+    with pytest.raises(LmopsError, match="^LMOPS_MAX_NUM_SEQS: .*integer"):
+        ServiceConfig.from_env()
+    monkeypatch.setenv("LMOPS_MAX_NUM_SEQS", "0")
+    with pytest.raises(LmopsError, match="^LMOPS_MAX_NUM_SEQS: max_num_seqs must be"):
+        ServiceConfig.from_env()
+    monkeypatch.delenv("LMOPS_MAX_NUM_SEQS")
+    monkeypatch.setenv("LMOPS_DRIFT_SAMPLE", "2")
+    with pytest.raises(LmopsError, match="^LMOPS_DRIFT_SAMPLE: drift_sample must be in"):
+        ServiceConfig.from_env()
+    monkeypatch.setenv("LMOPS_DRIFT_SAMPLE", "0.5")
+    assert ServiceConfig.from_env().engine.drift_sample == 0.5
+    monkeypatch.setenv("PORT", "-1")
+    with pytest.raises(LmopsError, match="^PORT: "):
+        ServiceConfig.from_env()
+
+
+def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
+    """The mapping is generic: a field added to EngineConfig is LMOPS_<FIELD> here."""
+    monkeypatch.setattr(config_module, "_ENGINE_FIELDS", (*config_module._ENGINE_FIELDS, "made_up_field"))
+    monkeypatch.setenv("LMOPS_MADE_UP_FIELD", "7")
+    with pytest.raises(LmopsError, match="LMOPS_MADE_UP_FIELD"):  # EngineConfig has no such field
+        ServiceConfig.from_env()
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(EngineConfig(), f.name)
+        env = str(value).lower() if value is not None else "1000000"
+        monkeypatch.setenv(f"LMOPS_{f.name.upper()}", env)
+    monkeypatch.delenv("LMOPS_MADE_UP_FIELD")
+    monkeypatch.setattr(config_module, "_ENGINE_FIELDS", config_module._ENGINE_FIELDS[:-1])
+    assert ServiceConfig.from_env().engine.kv_cache_memory == 1000000

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from lmops.errors import LmopsError
 from production_service.model_source import resolve_model
+from tests.unit.test_layers import PIPELINE
 
 
 def test_local_directory_with_partial_metadata(model_dir, tmp_path):
@@ -23,7 +26,9 @@ def test_local_directory_with_partial_metadata(model_dir, tmp_path):
         resolve_model(tmp_path / "nowhere")
 
 
-def test_registry_alias_resolves_to_the_model_directory(model_dir, tmp_path, monkeypatch):
+@pytest.fixture
+def registry(model_dir, tmp_path, monkeypatch) -> str:
+    """A local sqlite MLflow registry whose lmops@champion holds `model_dir`; its run id."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
@@ -37,10 +42,13 @@ def test_registry_alias_resolves_to_the_model_directory(model_dir, tmp_path, mon
     client.create_registered_model("lmops")
     version = client.create_model_version("lmops", f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
     client.set_registered_model_alias("lmops", "champion", version.version)
+    return run.info.run_id
 
+
+def test_registry_alias_resolves_to_the_model_directory(registry, tmp_path):
     info = resolve_model(tmp_path / "unused", "models:/lmops@champion")
     assert (info.path / "config.json").is_file() and (info.path / "model.safetensors").is_file()
-    assert (info.name, info.version, info.run_id) == ("lmops", "1", run.info.run_id)
+    assert (info.name, info.version, info.run_id) == ("lmops", "1", registry)
     assert info.source == "models:/lmops@champion"
     assert resolve_model(tmp_path, "models:/lmops/1").version == "1"
     with pytest.raises(LmopsError, match="models:/lmops@nope"):
@@ -60,3 +68,21 @@ def test_reference_bits_per_byte_from_lmops_json(tmp_path, meta, want):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "lmops.json").write_text(json.dumps(meta))
     assert resolve_model(tmp_path).reference_bits_per_byte == want
+
+
+@pytest.mark.slow
+def test_a_registry_download_imports_no_pipeline_code(registry, tmp_path):
+    """The serving image has the MLflow client, not lmops' pipeline (tests/unit/test_layers.py)."""
+    probe = (
+        "import json, sys; from pathlib import Path; import production_service.app; "
+        "from production_service.model_source import resolve_model; "
+        "info = resolve_model(Path('unused'), 'models:/lmops@champion'); "
+        "print(json.dumps([info.version, sorted(sys.modules)]))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    version, loaded = json.loads(out.stdout.splitlines()[-1])
+    assert version == "1"
+    pipeline = [p for p in PIPELINE if not p.startswith("mlflow") and p not in ("pandas", "transformers")]
+    crossed = [m for m in loaded if m in pipeline or m.startswith(tuple(p + "." for p in pipeline))]
+    assert not crossed, f"a registry download loads pipeline modules: {crossed}"

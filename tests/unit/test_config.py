@@ -55,6 +55,13 @@ def test_scientific_notation_without_dot_is_caught():
         ({"train": {"min_lr": 1.0, "learning_rate": 0.1}}, "must not exceed learning_rate"),
         ({"train": {"device": "tpu"}}, "one of 'auto', 'cpu', 'cuda'"),
         ({"data": {"sha256": "xyz"}}, "data.sha256"),
+        ({"split": {"test_fraction": 0.0}}, r"'split.test_fraction': Input should be greater than 0"),
+        ({"split": {"method": "last"}}, "one of 'random', 'tail'"),
+        (
+            {"data": {"document_unit": "sentence"}},
+            "one of 'auto', 'file', 'row', 'paragraph', 'line', 'chunk'",
+        ),
+        ({"data": {"format": "xml"}}, "'data.format'"),
     ],
 )
 def test_invalid_values(raw, needle):

@@ -13,7 +13,8 @@ import pytest
 from tests.conftest import REPO
 
 # The subprocess runs in the repository root, where production_service imports.
-RUNTIME = ["lmops.model", "lmops.tokenizer", "lmops.engine", "production_service.app"]
+# lmops.engine loads its modules lazily: the loop imports every one of them.
+RUNTIME = ["lmops.model", "lmops.tokenizer", "lmops.engine.loop", "production_service.app"]
 PIPELINE = [
     "lmops.cli",
     "lmops.config",

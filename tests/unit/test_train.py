@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 import torch
 
+from lmops.checkpoint import load_checkpoint, save_checkpoint, weights_of
 from lmops.config import TrainConfig
 from lmops.errors import LmopsError
 from lmops.model import Llama, LlamaConfig
-from lmops.train import batch, load_checkpoint, lr_at, make_optimizer, save_checkpoint
+from lmops.train import Progress, batch, lr_at, make_optimizer, measure_peak_flops
 
 CFG = LlamaConfig(
     vocab_size=64, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, max_seq_len=8
@@ -74,3 +75,66 @@ def test_truncated_or_corrupt_checkpoint_is_an_error(tmp_path):
     (ckpt / "state.json").write_text(json.dumps({"step": 1}))
     with pytest.raises(LmopsError, match="unreadable"):
         load_checkpoint(ckpt, model, opt)
+
+
+def test_progress_tracks_the_best_evaluation_and_patience():
+    p = Progress()
+    assert [p.record_eval(s, v) for s, v in ((10, 3.0), (20, 2.5), (30, 2.5), (40, 2.7))] == [
+        True,
+        True,
+        False,  # equal is not better
+        False,
+    ]
+    assert (p.best_step, p.best_val_loss, p.evals_since_best) == (20, 2.5, 2)
+    assert p.patience_exhausted(2) and not p.patience_exhausted(3) and not p.patience_exhausted(None)
+    assert p.record_eval(50, 2.4) and p.evals_since_best == 0
+
+
+def test_checkpoint_carries_the_best_weights(tmp_path):
+    model, _ = _trained_pair(tmp_path)
+    best = weights_of(model)
+    opt = make_optimizer(model, TrainConfig(), torch.device("cpu"))
+    save_checkpoint(tmp_path / "best", model, opt, {"step": 2, "best_step": 1}, best)
+    assert "lm_head.weight" not in best  # tied: stored once
+    fresh = Llama(CFG)
+    state = load_checkpoint(
+        tmp_path / "best", fresh, make_optimizer(fresh, TrainConfig(), torch.device("cpu"))
+    )
+    assert state["best_step"] == 1 and best.keys() == state["best"].keys()
+    assert all(torch.equal(best[k], state["best"][k]) for k in best)
+    assert load_checkpoint(tmp_path / "ckpt", model, opt)["best"] is None
+    (tmp_path / "best/best.safetensors").write_bytes(b"x")
+    with pytest.raises(LmopsError, match="best.safetensors is corrupt"):
+        load_checkpoint(tmp_path / "best", model, opt)
+
+
+def test_peak_flops_measurement_leaves_the_training_rng_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    measure_peak_flops(torch.device("cpu"), torch.float32)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_dropout_is_active_in_training_only_and_absent_from_the_export(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = Llama(CFG.model_copy(update={"dropout": 0.5}))
+    plain = Llama(CFG)
+    plain.load_state_dict(model.state_dict())
+    x = torch.randint(0, 64, (2, 8))
+    model.train()
+    assert not torch.equal(model(x)[0], model(x)[0])  # a new mask each call
+    model.eval()
+    assert torch.equal(model(x)[0], plain.eval()(x)[0])
+
+    model.save_pretrained(tmp_path / "m")
+    assert json.loads((tmp_path / "m/config.json").read_text())["attention_dropout"] == 0.5
+    loaded = Llama.from_pretrained(tmp_path / "m")
+    assert not loaded.training and loaded.config.dropout == 0.5
+    assert torch.equal(loaded(x)[0], plain(x)[0])
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert hf.config.attention_dropout == 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, plain(x)[0], atol=1e-5, rtol=1e-5)

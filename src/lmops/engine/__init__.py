@@ -3,23 +3,30 @@
 engine = LLMEngine.from_pretrained(model_dir)
 outs = engine.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=64))
 loop = EngineLoop(engine).start(); stream = loop.submit(prompt, params)
+
+The names load on first use, so `lmops.engine.config` (what gunicorn's master reads
+its settings from) is importable without torch.
 """
 
-from lmops.engine.engine import LLMEngine, PromptTooLongError
-from lmops.engine.loop import EngineLoop, QueueFullError, RequestStream
-from lmops.engine.metrics import EngineMetrics, RequestMetrics
-from lmops.engine.sampling import SamplingParams
-from lmops.engine.sequence import CompletionOutput, RequestOutput
+import importlib
 
-__all__ = [
-    "CompletionOutput",
-    "EngineLoop",
-    "EngineMetrics",
-    "LLMEngine",
-    "PromptTooLongError",
-    "QueueFullError",
-    "RequestMetrics",
-    "RequestOutput",
-    "RequestStream",
-    "SamplingParams",
-]
+_MODULES = {
+    "CompletionOutput": "sequence",
+    "EngineConfig": "config",
+    "EngineLoop": "loop",
+    "EngineMetrics": "metrics",
+    "LLMEngine": "engine",
+    "PromptTooLongError": "engine",
+    "QueueFullError": "loop",
+    "RequestMetrics": "metrics",
+    "RequestOutput": "sequence",
+    "RequestStream": "loop",
+    "SamplingParams": "sampling",
+}
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module 'lmops.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"lmops.engine.{_MODULES[name]}"), name)

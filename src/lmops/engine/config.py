@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmops.quantize import check_method
+
 
 def positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -28,6 +30,7 @@ class EngineConfig:
     # Fraction of requests whose prompt the engine also scores in bits/byte (the drift signal,
     # `lmops:prompt_bits_per_byte`); 0 disables it.
     drift_sample: float = 0.1
+    quantization: str | None = None  # "int8": weight-only int8 linears and LM head (lmops.quantize)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -36,3 +39,4 @@ class EngineConfig:
             raise ValueError(f"drift_sample must be a number in [0, 1], got {self.drift_sample!r}")
         if not 0 <= self.drift_sample <= 1:
             raise ValueError(f"drift_sample must be in [0, 1], got {self.drift_sample!r}")
+        check_method(self.quantization)

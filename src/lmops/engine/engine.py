@@ -33,6 +33,7 @@ from lmops.engine.sequence import (
 )
 from lmops.errors import LmopsError
 from lmops.model import Llama, default_dtype, read_generation_config, resolve_device
+from lmops.quantize import quantize
 from lmops.tokenizer import load_tokenizer, token_byte_lengths
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,9 @@ class LLMEngine:
         eos_token_ids: list[int] | None = None,
     ):
         cfg = model.config
-        self.model, self.tokenizer, self.config = model.eval(), tokenizer, cfg
         self.engine_config = engine_config = engine_config or EngineConfig()
+        model = quantize(model, engine_config.quantization)  # in place, before the runner fuses weights
+        self.model, self.tokenizer, self.config = model.eval(), tokenizer, cfg
         self.max_model_len = cfg.max_seq_len
         self.block_size = engine_config.block_size
         self.max_num_seqs = engine_config.max_num_seqs

@@ -1,0 +1,342 @@
+"""The API's bodies as pydantic models, and /openapi.json generated from them.
+
+Requests are validated by these models and responses are built from them, so the
+document cannot drift from the behaviour. The request limits that depend on the
+loaded model (context, vocabulary) come from `Limits`; `request_models(limits)`
+builds (and caches) the request models for them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from lmops.engine.sampling import MAX_LOGPROBS
+from production_service.errors import APIError
+
+MAX_PROMPTS = 16
+MAX_N = 16
+MAX_STOP = 8
+MAX_STOP_CHARS = 256
+MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 2.0
+DEFAULT_MAX_TOKENS = 16
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    # The longest token in characters: a text longer than max_token_chars * N
+    # characters has more than N tokens, which is known without tokenizing it.
+    max_token_chars: int = 1
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return max(self.max_model_len - 1, 1)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_prompt_tokens * self.max_token_chars
+
+
+UNLOADED = Limits(max_model_len=2**31 - 1, vocab_size=2**31 - 1, max_num_seqs=MAX_N)
+
+
+class _Request(BaseModel):
+    # strict: "3" is not a number and 1 is not a boolean, as in the JSON Schema
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def _integral(value):
+    """JSON Schema's integers include 2.0; strict pydantic's do not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _integer(lo: int, hi: int, description: str | None = None):
+    # Field before the validator, or the schema says "ge"/"le" instead of minimum/maximum
+    return Annotated[int, Field(ge=lo, le=hi, description=description), BeforeValidator(_integral)]
+
+
+def _int(lo: int, hi: int, description: str | None = None):
+    return _integer(lo, hi, description) | None
+
+
+def _float(lo: float, hi: float, description: str | None = None, exclusive_lo: bool = False):
+    low = {"gt": lo} if exclusive_lo else {"ge": lo}
+    return Annotated[float, Field(**low, le=hi, allow_inf_nan=False, description=description)] | None
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+@functools.lru_cache(maxsize=4)
+def request_models(limits: Limits) -> tuple[type[_Request], type[_Request]]:
+    """(CompletionRequest, PredictRequest) for a model's limits."""
+    ctx, vocab = limits.max_model_len, limits.vocab_size
+    text = Annotated[str, Field(min_length=1)]
+    token_id = _integer(0, vocab - 1)
+    token_ids = Annotated[list[token_id], Field(min_length=1, max_length=limits.max_prompt_tokens)]
+    stop_text = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+    class Sampling(_Request):
+        max_tokens: _int(1, ctx, "Capped at the room the context leaves after the prompt.") = Field(
+            None, json_schema_extra={"default": DEFAULT_MAX_TOKENS}
+        )
+        temperature: _float(0, MAX_TEMPERATURE, "0 = greedy. Default 1.") = None
+        top_p: _float(0, 1, "Nucleus sampling mass. Default 1.", exclusive_lo=True) = None
+        top_k: _int(-1, vocab, "0 or -1 = disabled (vLLM extra).") = None
+        seed: _int(0, MAX_SEED) = None
+        stop: stop_text | Annotated[list[stop_text], Field(max_length=MAX_STOP)] | None = Field(
+            None, description="Generation stops before any of these strings; they are not returned."
+        )
+
+    class CompletionRequest(Sampling):
+        model: str | None = Field(None, description="Must be the served model's id when given.")
+        prompt: (
+            text
+            | Annotated[list[text], Field(min_length=1, max_length=MAX_PROMPTS)]
+            | token_ids
+            | Annotated[list[token_ids], Field(min_length=1, max_length=MAX_PROMPTS)]
+        ) = Field(description="A string, strings, token ids, or lists of token ids.")
+        n: _int(1, min(MAX_N, limits.max_num_seqs)) = None
+        logprobs: _int(0, MAX_LOGPROBS, "Top log-probabilities per generated token.") = None
+        presence_penalty: _float(-2, 2) = None
+        frequency_penalty: _float(-2, 2) = None
+        repetition_penalty: _float(0, 2, "vLLM extra. Default 1.", exclusive_lo=True) = None
+        min_p: _float(0, 1, "vLLM extra. Default 0.") = None
+        stop_token_ids: Annotated[list[token_id], Field(max_length=MAX_STOP)] | None = Field(
+            None, description="vLLM extra."
+        )
+        ignore_eos: bool | None = Field(None, description="vLLM extra.")
+        echo: bool | None = Field(None, description="Prepend the prompt to the text.")
+        stream: bool | None = Field(None, description="Server-sent events ending in `data: [DONE]`.")
+        stream_options: StreamOptions | None = None
+        truncate_prompt_tokens: _int(
+            1,
+            limits.max_prompt_tokens,
+            "Keep only the last k prompt tokens (vLLM extra); without it a prompt longer "
+            "than the context is a 400.",
+        ) = None
+        user: str | None = Field(None, description="Accepted and ignored.")
+
+    class PredictRequest(Sampling):
+        prompt: text
+
+    return CompletionRequest, PredictRequest
+
+
+def validate(model: type[_Request], body: object) -> _Request:
+    """The body as `model`; the first error becomes a 400 naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        loc = [str(p) for p in error["loc"]]
+        param = loc[0] if loc else None
+        raise APIError(
+            400, f"{'.'.join(loc) or 'body'}: {error['msg'][:200]}", code="invalid_value", param=param
+        ) from None
+
+
+# -- responses -----------------------------------------------------------------------
+
+
+class Logprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class Choice(BaseModel):
+    index: int
+    text: str
+    logprobs: Logprobs | None
+    finish_reason: FinishReason | None = Field(description="null until a streamed choice's last chunk")
+
+
+class Usage(BaseModel):
+    prompt_tokens: Annotated[int, Field(ge=0)]
+    completion_tokens: Annotated[int, Field(ge=0)]
+    total_tokens: Annotated[int, Field(ge=0)]
+
+
+class CompletionChunk(BaseModel):
+    """One streamed event's data (`usage` only in the last, with stream_options.include_usage)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+
+
+class Completion(CompletionChunk):
+    usage: Usage
+
+
+class Prediction(BaseModel):
+    completion: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "lmops"
+    max_model_len: int
+    version: str | None
+    run_id: str | None
+    source: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Status(BaseModel):
+    status: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class Error(BaseModel):
+    error: ErrorDetail
+
+
+# -- the document ------------------------------------------------------------------
+
+
+_ERRORS = {
+    400: "Invalid value (`param` names the field) or body not JSON",
+    401: "Missing or wrong bearer token",
+    404: "Unknown model",
+    413: "Body over the size limit",
+    415: "Body is not application/json",
+    429: "Queue full; retry after `Retry-After` seconds",
+    503: "Model not loaded yet, or shutting down",
+}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(name: str, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _errors(*statuses: int) -> dict:
+    out = {str(s): _json("Error", _ERRORS[s]) for s in statuses}
+    if "429" in out:
+        out["429"]["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "required": True}}
+    return out
+
+
+def _schemas(*models: type[BaseModel]) -> dict:
+    """Each model's JSON Schema under its name, nested models hoisted beside it."""
+    out: dict = {}
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def build_document(limits: Limits, api_key: bool) -> dict:
+    secured = {"security": [{"bearer": []}]} if api_key else {}
+    auth = (401,) if api_key else ()
+
+    def post(summary: str, body: str, ok: dict, *errors: int) -> dict:
+        return {
+            "post": {
+                "summary": summary,
+                **secured,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(body)}}},
+                "responses": {"200": ok, **_errors(400, *auth, *errors, 413, 415, 429, 503)},
+            }
+        }
+
+    def get(summary: str, ok: dict, responses: dict | None = None, **extra) -> dict:
+        return {"get": {"summary": summary, **extra, "responses": {"200": ok, **(responses or {})}}}
+
+    stream_event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {"contentMediaType": "application/json", "contentSchema": _ref("CompletionChunk")},
+                ]
+            }
+        },
+        "description": "One server-sent event: a chunk, then `[DONE]`.",
+    }
+    completion_ok = {
+        "description": "The completion, or with `stream: true` server-sent events",
+        "content": {
+            "application/json": {"schema": _ref("Completion")},
+            "text/event-stream": {"schema": _ref("StreamEvent")},
+        },
+    }
+    text = {
+        "description": "Prometheus text format",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+    document = {"description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}
+    paths = {
+        "/v1/completions": post("OpenAI-compatible text completion", "CompletionRequest", completion_ok, 404),
+        "/predict": post(
+            "The simple form: a prompt in, a completion out",
+            "PredictRequest",
+            _json("Prediction", "The completion"),
+        ),
+        "/v1/models": get(
+            "The served model, with registry version and run id",
+            _json("ModelList", "Models"),
+            _errors(*auth, 503),
+            **secured,
+        ),
+        "/health": get(
+            "Liveness: process up, engine loop not stuck",
+            _json("Status", "Alive"),
+            {"503": _json("Error", "Engine loop stuck or failed")},
+        ),
+        "/ready": get(
+            "Readiness: model loaded and warmed up, not draining", _json("Status", "Ready"), _errors(503)
+        ),
+        "/metrics": get("Prometheus metrics: engine and HTTP", text),
+        "/openapi.json": get("This document", document),
+    }
+    schemas = _schemas(
+        *request_models(limits), Completion, CompletionChunk, Prediction, ModelList, Status, Error
+    )
+    components: dict = {"schemas": {**schemas, "StreamEvent": stream_event}}
+    if api_key:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "lmops inference service", "version": "1.0.0"},
+        "paths": paths,
+        "components": components,
+    }

@@ -1,0 +1,191 @@
+"""The service under attack, for real (gunicorn on 127.0.0.1): huge prompts, clients
+that leave, trickle or never speak, made-up methods, oversized headers and bodies."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import requests
+
+from tests.service.conftest import CONTEXT, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+AUTH = {"Authorization": "Bearer test-key"}
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024
+
+
+def metric(url: str, name: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_prompts_under_the_body_limit_cost_under_100ms_and_no_memory(server):
+    """Token lists of 300,000 ids took 10-18 s of CPU and 1.2 GB each: now every body
+    under the limit is rejected (or, truncated, answered) from its length alone.
+    The answered one is charged only what it costs beyond the same short request
+    (the generation itself)."""
+    truncated = {"truncate_prompt_tokens": 8, "max_tokens": 1, "temperature": 0}
+    bodies = [
+        {"prompt": [7] * 300_000},  # 900 KB of token ids
+        {"prompt": "x" * 900_000},
+        {"prompt": [[7] * 18_000] * 16},
+        {"prompt": ["to be or not " * 4_000] * 16},
+        {"prompt": "to be or not " * 70_000, **truncated},
+    ]
+    pid = server.worker_pid
+
+    def post(body: dict) -> tuple[requests.Response, float]:
+        data = json.dumps(body)
+        assert len(data) < 1 << 20
+        cpu = cpu_seconds(pid)
+        r = requests.post(
+            f"{server.url}/v1/completions",
+            data=data,
+            headers={**AUTH, "Content-Type": "application/json"},
+            timeout=60,
+        )
+        return r, cpu_seconds(pid) - cpu
+
+    generation = sorted(post({"prompt": "to be or not " * 3, **truncated})[1] for _ in range(3))[1]
+    before = rss_mb(pid)
+    for i in range(20):
+        body = bodies[i % len(bodies)]
+        r, spent = post(body)
+        if "truncate_prompt_tokens" in body:
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8
+            spent -= generation
+        else:
+            assert r.status_code == 400, r.text[:300]
+            error = r.json()["error"]
+            assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+            assert str(CONTEXT - 1) in error["message"]
+        assert spent < 0.1, f"{spent:.3f} s of server CPU for {json.dumps(body)[:60]}..."
+    assert rss_mb(pid) - before < 50
+
+
+def test_a_client_that_leaves_a_plain_request_aborts_it_within_a_second(server):
+    url = urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    body = {"prompt": "ROMEO: ", "n": 16, "max_tokens": 250, "ignore_eos": True}
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(body),
+        {**AUTH, "Content-Type": "application/json", "X-Request-ID": "left-plain"},
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and metric(server.url, "lmops:num_requests_running") < 1:
+        time.sleep(0.05)
+    assert metric(server.url, "lmops:num_requests_running") >= 1
+    conn.sock.close()  # the client goes away while it waits for the whole answer
+    conn.close()
+    left = time.monotonic()
+    while time.monotonic() - left < 10 and metric(server.url, "lmops:num_requests_running") > 0:
+        time.sleep(0.05)
+    assert time.monotonic() - left < 3  # aborted within the ~0.5 s poll, plus a busy machine's slack
+    assert metric(server.url, "lmops:kv_cache_usage_perc") == 0
+    while time.monotonic() - left < 10 and not any(
+        r["request_id"] == "left-plain" for r in server.access_records()
+    ):
+        time.sleep(0.05)
+    [record] = [r for r in server.access_records() if r["request_id"] == "left-plain"]
+    assert record["status"] == 499 and record["client_disconnected"] is True
+    assert record["error"] == "client_disconnected" and record["completion_tokens"] < 16 * 250
+
+
+def test_made_up_methods_do_not_grow_metrics(server):
+    url = urlparse(server.url)
+    for i in range(30):
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+        conn.request(f"MADEUP{i}", "/v1/completions", headers=AUTH)
+        assert conn.getresponse().status == 405
+        conn.close()
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    assert "MADEUP" not in text
+    assert re.search(r'http_requests_total\{handler="unmatched",method="other",status="405"\} 30', text)
+
+
+def test_gunicorn_errors_and_chunked_bodies_keep_the_error_shape(server):
+    r = requests.get(f"{server.url}/health", headers={"X-Big": "x" * 10_000}, timeout=10)
+    assert r.status_code == 431 and r.headers["Content-Type"] == "application/json"
+    error = r.json()["error"]
+    assert error["code"] == "request_header_fields_too_large" and error["type"] == "invalid_request_error"
+
+    def chunks():  # no Content-Length: requests sends it chunked
+        for _ in range(40):
+            yield b" " * 65536
+
+    r = requests.post(
+        f"{server.url}/v1/completions",
+        data=chunks(),
+        headers={**AUTH, "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_probes_answer_while_slow_clients_hold_every_thread(model_dir, tmp_path):
+    threads, header_timeout = 4, 3
+    server = start_server(
+        model_dir, tmp_path / "slow.log", LMOPS_THREADS=str(threads), LMOPS_HEADER_TIMEOUT=str(header_timeout)
+    )
+    stop = threading.Event()
+    try:
+        assert metric(server.probe_url, 'lmops:request_success_total{finished_reason="length"}') == 0
+        assert metric(server.probe_url, "lmops:prompt_tokens_total") == 0  # the warm-up is not counted
+        url = urlparse(server.url)
+        slow = [socket.create_connection((url.hostname, url.port)) for _ in range(2 * threads)]
+
+        def trickle(sock: socket.socket) -> None:
+            try:
+                sock.sendall(b"GET /health HTTP/1.1\r\n")
+                while not stop.wait(0.3):
+                    sock.sendall(b"X-A: b\r\n")
+            except OSError:  # cut by the server: what we wait for
+                pass
+
+        trickling = [threading.Thread(target=trickle, args=(s,), daemon=True) for s in slow[:threads]]
+        for t in trickling:  # and the other half never says a word
+            t.start()
+        time.sleep(1)
+        started = time.monotonic()
+        for path in ("/health", "/ready", "/metrics"):
+            assert requests.get(f"{server.probe_url}{path}", timeout=2).status_code == 200
+        assert time.monotonic() - started < 2
+        assert requests.get(f"{server.probe_url}/v1/models", timeout=2).status_code == 404  # probes only
+        # Every slow connection is cut once the head deadline passes, freeing the threads.
+        for sock in slow:
+            sock.settimeout(header_timeout + 10)  # socket.timeout fails the test
+            try:
+                data = sock.recv(1024)
+            except ConnectionResetError:
+                data = b""
+            assert data == b""  # closed without an answer
+        assert time.monotonic() - started < header_timeout + 10
+        stop.set()
+        assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
+    finally:
+        stop.set()
+        server.stop()
