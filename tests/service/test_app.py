@@ -357,10 +357,12 @@ def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
     monkeypatch.setenv("LMOPS_MADE_UP_FIELD", "7")
     with pytest.raises(LmopsError, match="LMOPS_MADE_UP_FIELD"):  # EngineConfig has no such field
         ServiceConfig.from_env()
+    unset_examples = {"kv_cache_memory": "1000000", "quantization": "int8"}  # fields whose default is None
     for f in dataclasses.fields(EngineConfig):
         value = getattr(EngineConfig(), f.name)
-        env = str(value).lower() if value is not None else "1000000"
+        env = str(value).lower() if value is not None else unset_examples[f.name]
         monkeypatch.setenv(f"LMOPS_{f.name.upper()}", env)
     monkeypatch.delenv("LMOPS_MADE_UP_FIELD")
     monkeypatch.setattr(config_module, "_ENGINE_FIELDS", config_module._ENGINE_FIELDS[:-1])
-    assert ServiceConfig.from_env().engine.kv_cache_memory == 1000000
+    engine = ServiceConfig.from_env().engine
+    assert engine.kv_cache_memory == 1000000 and engine.quantization == "int8"
