@@ -12,7 +12,7 @@ image: install ## docker build lmops:<commit> (GPU=1: the CUDA variant)
 image-push: install ## push the image to ACR or ECR (CLOUD=aks|eks|kubeflow)
 	deploy/push_image.sh
 
-deploy: install ## deploy to AKS or EKS and wait for the rollout (CLOUD=aks|eks, GPU=1)
+deploy: install ## deploy to AKS or EKS and wait for the rollout (CLOUD=aks|eks, GPU=1, CANARY=1)
 	deploy/deploy.sh
 
 smoke-test: install ## curl /health and /v1/completions (URL=http://... or the cluster's LoadBalancer)
