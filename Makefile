@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
-LINT_PATHS := src tests benchmarks production_service kubeflow deploy/validate.py deploy/monitoring/check.py template.py
+LINT_PATHS := src tests benchmarks production_service kubeflow deploy template.py
 
 .DEFAULT_GOAL := help
 .PHONY: help install run test test-fast lint format mlflow-ui serve clean monitoring-tools

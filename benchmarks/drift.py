@@ -17,7 +17,6 @@ Prints a table; writes benchmarks/results/drift-<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from engine import RESULTS, build_random_model, greedy, make_engine, sync
+from engine import RESULTS, build_random_model, greedy, make_engine, sync, write_results
 
 from lmops.engine.config import EngineConfig
 from lmops.model import default_dtype, resolve_device
@@ -124,10 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
             res[name] = measure(engines, rounds, new)
         res["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     print(table(res))
-    out = args.out or RESULTS / f"drift-{device.type}{'-quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    write_results(res, args.out or RESULTS / f"drift-{device.type}{'-quick' if args.quick else ''}.json")
     return res
 
 

@@ -46,6 +46,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
+def write_results(result: dict, out: Path) -> None:
+    """Write one benchmark's JSON result (under benchmarks/results/ unless --out says otherwise)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -507,10 +514,7 @@ def main(argv: list[str] | None = None) -> dict:
     res["floor"] = decode_floor(engine, res["A"].pop("prompt"), res["A"]["eager"]["step_ms"])
     res["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     print(table(res))
-    out = args.out or RESULTS / f"engine-{device.type}{'-quick' if q else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    write_results(res, args.out or RESULTS / f"engine-{device.type}{'-quick' if q else ''}.json")
     if tmp:
         tmp.cleanup()
     return res

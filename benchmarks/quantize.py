@@ -16,17 +16,16 @@ benchmarks/quality.py, which reports float32 and int8 side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from engine import RESULTS, write_results
 
 from lmops.engine import LLMEngine, SamplingParams
 from lmops.random_model import random_model_dir
@@ -126,10 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
     }
-    out = args.out or REPO / f"benchmarks/results/quantize-cpu{'-quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    write_results(result, args.out or RESULTS / f"quantize-cpu{'-quick' if args.quick else ''}.json")
     return result
 
 

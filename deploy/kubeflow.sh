@@ -2,10 +2,13 @@
 # Kubeflow: serve with KServe, train with a PyTorchJob, run the KFP pipeline.
 #
 #   deploy/kubeflow.sh [--dry-run] deploy     InferenceService (GPU=1: the GPU variant),
-#                                             waits until it is Ready
+#                                             waits until it is Ready; CANARY=1: a canary
+#                                             release (below)
 #   deploy/kubeflow.sh [--dry-run] train      PyTorchJob lmops-train (replaces a finished one)
 #   deploy/kubeflow.sh [--dry-run] pipeline   compiles kubeflow/pipeline.py with the image
 #                                             and starts a run on KFP_HOST
+#   deploy/kubeflow.sh [--dry-run] schedule   the same as a recurring run (KFP_CRON, KFP's
+#                                             six fields, default nightly 0 0 2 * * *)
 #
 # The image is IMAGE, else the one deploy/push_image.sh pushed with CLOUD=kubeflow
 # (KUBEFLOW_REGISTRY acr|ecr, ACR_NAME or AWS_ACCOUNT_ID/AWS_REGION, IMAGE_TAG).
@@ -13,6 +16,14 @@
 # MLFLOW_TRACKING_URI (an MLflow server the cluster reaches), KFP_TOKEN if the
 # endpoint wants a bearer token. KUBEFLOW_NAMESPACE: the profile namespace
 # (default kubeflow-user-example-com). LMOPS_API_KEY as for deploy/deploy.sh.
+#
+# CANARY=1: KServe's canaryTrafficPercent sends CANARY_PERCENT (default 10) % of the
+# traffic to the new revision and the rest to the previous one; then the analysis of
+# deploy/canary (the queries, margins and limits Argo Rollouts uses on AKS/EKS, run by
+# deploy/canary_analysis.py against PROMETHEUS_URL) promotes it to 100 %, or rolls back
+# to 0 % (the previous revision serves everything) and exits non-zero; so does a canary
+# that never becomes Ready. ANALYSIS_INTERVAL: seconds between measurements (default:
+# the template's).
 # shellcheck source=lib.sh
 source "$(dirname "$0")/lib.sh"
 
@@ -20,19 +31,60 @@ action=""
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    deploy | train | pipeline) action=$arg ;;
-    *) die "usage: deploy/kubeflow.sh [--dry-run] deploy|train|pipeline" ;;
+    deploy | train | pipeline | schedule) action=$arg ;;
+    *) die "usage: deploy/kubeflow.sh [--dry-run] deploy|train|pipeline|schedule" ;;
   esac
 done
-[ -n "$action" ] || die "usage: deploy/kubeflow.sh [--dry-run] deploy|train|pipeline"
+[ -n "$action" ] || die "usage: deploy/kubeflow.sh [--dry-run] deploy|train|pipeline|schedule"
 namespace=${KUBEFLOW_NAMESPACE:-kubeflow-user-example-com}
 image=$(remote_image kubeflow)
+
+# traffic PERCENT: the share of the InferenceService's traffic on its latest revision.
+traffic() {
+  run kubectl --namespace "$namespace" patch inferenceservice lmops --type merge \
+    --patch "{\"spec\":{\"predictor\":{\"canaryTrafficPercent\":$1}}}"
+}
+
+# canary_release: judge the Ready canary revision against the previous one, then
+# promote it or roll back.
+canary_release() {
+  local revisions latest previous
+  revisions=$(run kubectl --namespace "$namespace" get inferenceservice lmops --output \
+    'jsonpath={.status.components.predictor.latestCreatedRevision} {.status.components.predictor.previousRolledoutRevision}')
+  if dry_run; then revisions="CANARY_REVISION STABLE_REVISION"; fi
+  read -r latest previous <<<"$revisions"
+  if [ -z "$previous" ]; then
+    echo "no previous revision to compare with: $latest takes all traffic" >&2
+    traffic 100
+    return
+  fi
+  echo "canary $latest has ${CANARY_PERCENT:-10} % of the traffic, $previous the rest: analysing" >&2
+  if run python deploy/canary_analysis.py --prometheus "$PROMETHEUS_URL" --arg "namespace=$namespace" \
+    --arg "canary-hash=$latest" --arg "stable-hash=$previous" --arg version-label=serving_knative_dev_revision ${ANALYSIS_INTERVAL:+--interval "$ANALYSIS_INTERVAL"}; then
+    traffic 100
+    run kubectl --namespace "$namespace" wait inferenceservice/lmops --for=condition=Ready \
+      --timeout="${ROLLOUT_TIMEOUT:-15m}"
+    dry_run || echo "canary $latest promoted: $image serves all traffic" >&2
+  else
+    traffic 0
+    die "canary $latest ($image) not promoted: rolled back, $previous serves all traffic"
+  fi
+}
 
 case "$action" in
   deploy)
     manifest=kubeflow/inferenceservice.yaml
     if truthy "${GPU:-}"; then manifest=kubeflow/inferenceservice-gpu.yaml; fi
-    render "$manifest" lmops "$image" "$namespace"
+    patch=""
+    if truthy "${CANARY:-}"; then
+      : "${PROMETHEUS_URL:?set PROMETHEUS_URL, the Prometheus scraping the InferenceService, for the canary analysis}"
+      percent=${CANARY_PERCENT:-10}
+      [[ "$percent" =~ ^[1-9][0-9]?$ ]] || die "CANARY_PERCENT must be 1 to 99 (got '$percent')"
+      patch=$WORK/canary.yaml
+      printf '%s\n' "apiVersion: serving.kserve.io/v1beta1" "kind: InferenceService" "metadata: {name: lmops}" \
+        "spec: {predictor: {canaryTrafficPercent: $percent}}" >"$patch"
+    fi
+    render "$manifest" lmops "$image" "$namespace" "$patch"
     use_cluster kubeflow
     check_api_key_secret "$namespace"
     run kubectl apply --filename "$WORK/manifests.yaml"
@@ -41,8 +93,10 @@ case "$action" in
     if ! run kubectl --namespace "$namespace" wait inferenceservice/lmops \
       --for=condition=Ready --timeout="${ROLLOUT_TIMEOUT:-15m}"; then
       run kubectl --namespace "$namespace" describe inferenceservice lmops
-      die "InferenceService lmops did not become Ready with $image"
+      if [ -n "$patch" ]; then traffic 0; fi
+      die "InferenceService lmops did not become Ready with $image: the previous revision keeps serving"
     fi
+    if [ -n "$patch" ]; then canary_release; fi
     ;;
   train)
     LMOPS_API_KEY="" render kubeflow/pytorchjob.yaml lmops "$image" "$namespace"
@@ -50,10 +104,12 @@ case "$action" in
     run kubectl --namespace "$namespace" delete pytorchjob lmops-train --ignore-not-found
     run kubectl apply --filename "$WORK/manifests.yaml"
     ;;
-  pipeline)
+  pipeline | schedule)
     : "${KFP_HOST:?set KFP_HOST, the Kubeflow Pipelines endpoint}"
     python kubeflow/pipeline.py compile --image "$image" --output "$WORK/pipeline.yaml" >&2
-    run python kubeflow/pipeline.py submit --host "$KFP_HOST" --package "$WORK/pipeline.yaml" \
-      --namespace "$namespace"
+    when=()
+    if [ "$action" = schedule ]; then when=(--cron "${KFP_CRON:-0 0 2 * * *}"); fi
+    run python kubeflow/pipeline.py "${action/pipeline/submit}" --host "$KFP_HOST" \
+      --package "$WORK/pipeline.yaml" --namespace "$namespace" "${when[@]}"
     ;;
 esac

@@ -65,6 +65,16 @@ image_tag() {
   echo "$tag"
 }
 
+# seconds DURATION: a kubectl-style duration (90, 90s, 10m, 1h) in seconds.
+seconds() {
+  [[ "$1" =~ ^([0-9]+)([smh]?)$ ]] || die "not a duration: '$1' (e.g. 90s, 10m, 1h)"
+  case "${BASH_REMATCH[2]}" in
+    h) echo $((BASH_REMATCH[1] * 3600)) ;;
+    m) echo $((BASH_REMATCH[1] * 60)) ;;
+    *) echo "${BASH_REMATCH[1]}" ;;
+  esac
+}
+
 # The registry (acr or ecr) a cloud pulls from.
 registry_for() {
   case "$1" in
@@ -129,12 +139,13 @@ use_cluster() {
   esac
 }
 
-# render SOURCE FROM TO [NAMESPACE]: SOURCE (a kustomization folder or one
+# render SOURCE FROM TO [NAMESPACE [PATCH]]: SOURCE (a kustomization folder or one
 # manifest file) with the image named FROM replaced by TO (name:tag), moved to
-# NAMESPACE when given, plus the Secret lmops-api-key when LMOPS_API_KEY is set.
-# Writes $WORK/manifests.yaml and validates it (deploy/validate.py).
+# NAMESPACE when given, PATCH (a file, a strategic merge patch) applied, plus the
+# Secret lmops-api-key when LMOPS_API_KEY is set. Writes $WORK/manifests.yaml and
+# validates it (deploy/validate.py).
 render() {
-  local source=$1 from=$2 to=$3 namespace=${4:-} dir="$WORK/render"
+  local source=$1 from=$2 to=$3 namespace=${4:-} patch=${5:-} dir="$WORK/render"
   rm -rf "$dir" && mkdir -p "$dir"
   if [ -d "$source" ]; then
     source=$(python -c 'import os, sys; print(os.path.relpath(*sys.argv[1:]))' "$source" "$dir")
@@ -147,6 +158,10 @@ render() {
     if [ -n "$namespace" ]; then echo "namespace: $namespace"; fi
     echo "resources: [$source]"
     echo "images: [{name: $from, newName: ${to%:*}, newTag: ${to##*:}}]"
+    if [ -n "$patch" ]; then
+      cp "$patch" "$dir/patch.yaml"
+      echo "patches: [{path: patch.yaml}]"
+    fi
     if [ -n "${LMOPS_API_KEY:-}" ]; then
       (umask 077 && printf '%s' "$LMOPS_API_KEY" >"$dir/api-key")
       echo "secretGenerator: [{name: lmops-api-key, files: [api-key], options: {disableNameSuffixHash: true}}]"

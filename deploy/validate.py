@@ -5,7 +5,9 @@ Built-in kinds go through kubernetes-validate (Kubernetes' OpenAPI schemas). The
 custom resources lmops ships, KServe InferenceService and Kubeflow PyTorchJob, are
 checked against the structural schemas in deploy/schemas/, and the pods they embed
 against Kubernetes' PodTemplate schema; prometheus-operator's PodMonitor and
-PrometheusRule against their CRDs' own schemas (made strict). Any other kind fails.
+PrometheusRule, and Argo Rollouts' Rollout (its pod too) and AnalysisTemplate,
+against their CRDs' own schemas, made strict (deploy/schemas/import_crd.py). Any
+other kind fails.
 
     python deploy/validate.py FILE...      ('-' reads standard input)
 """
@@ -29,6 +31,8 @@ CUSTOM_SCHEMAS = {
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjob.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
+    ("argoproj.io/v1alpha1", "Rollout"): "rollout.json",
+    ("argoproj.io/v1alpha1", "AnalysisTemplate"): "analysistemplate.json",
 }
 # A KServe predictor is a PodSpec plus these fields (checked by inferenceservice.json).
 KSERVE_PREDICTOR_FIELDS = {
@@ -48,6 +52,8 @@ def embedded_pod_templates(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         predictor = doc["spec"]["predictor"]
         pod = {k: v for k, v in predictor.items() if k not in KSERVE_PREDICTOR_FIELDS}
         return {"spec.predictor": {"spec": pod}}
+    if doc["kind"] == "Rollout" and "template" in doc["spec"]:
+        return {"spec.template": doc["spec"]["template"]}
     if doc["kind"] != "PyTorchJob":
         return {}
     return {

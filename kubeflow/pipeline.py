@@ -7,10 +7,13 @@ evaluate and promote share the MLflow tracking server given as the pipeline's
 
     python kubeflow/pipeline.py compile [--image IMAGE] [--output FILE]
     python kubeflow/pipeline.py submit --host URL --package FILE [--namespace NS]
+    python kubeflow/pipeline.py schedule --host URL --package FILE [--cron "0 0 2 * * *"]
 
 kubeflow/pipeline.yaml is this file compiled with DEFAULT_IMAGE (a test fails
 when it is stale: `make kfp-compile`). `make kfp-run KFP_HOST=...` compiles it
-again with the pushed image and submits it (deploy/kubeflow.sh pipeline).
+again with the pushed image and submits it (deploy/kubeflow.sh pipeline); `schedule`
+makes it a recurring run instead (deploy/kubeflow.sh schedule), replacing the one of
+the same name.
 """
 
 # No `from __future__ import annotations`: KFP reads the artifact types at run time.
@@ -211,21 +214,29 @@ def main(argv: list[str] | None = None) -> int:
     comp.add_argument("--image", default=DEFAULT_IMAGE, help="the lmops image every step runs in")
     comp.add_argument("--output", default="kubeflow/pipeline.yaml")
     run = sub.add_parser("submit", help="start a run of a compiled package on a KFP server")
-    run.add_argument(
-        "--host", required=True, help="KFP API endpoint, e.g. https://kubeflow.example.com/pipeline"
+    schedule = sub.add_parser("schedule", help="create or replace a recurring run of a compiled package")
+    for command in (run, schedule):
+        command.add_argument(
+            "--host", required=True, help="KFP API endpoint, e.g. https://kubeflow.example.com/pipeline"
+        )
+        command.add_argument("--package", required=True)
+        command.add_argument(
+            "--namespace",
+            default=os.environ.get("KUBEFLOW_NAMESPACE"),
+            help="Kubeflow profile namespace (multi-user installs)",
+        )
+        command.add_argument("--experiment", default="lmops")
+        command.add_argument(
+            "--mlflow-tracking-uri",
+            default=os.environ.get("MLFLOW_TRACKING_URI"),
+            help="MLflow server reachable from the cluster (default: $MLFLOW_TRACKING_URI)",
+        )
+    schedule.add_argument(
+        "--cron",
+        default="0 0 2 * * *",
+        help="KFP's six-field cron, seconds first (default: every night at 02:00)",
     )
-    run.add_argument("--package", required=True)
-    run.add_argument(
-        "--namespace",
-        default=os.environ.get("KUBEFLOW_NAMESPACE"),
-        help="Kubeflow profile namespace (multi-user installs)",
-    )
-    run.add_argument("--experiment", default="lmops")
-    run.add_argument(
-        "--mlflow-tracking-uri",
-        default=os.environ.get("MLFLOW_TRACKING_URI"),
-        help="MLflow server reachable from the cluster (default: $MLFLOW_TRACKING_URI)",
-    )
+    schedule.add_argument("--name", default="lmops-retrain", help="the recurring run's name")
     args = parser.parse_args(argv)
 
     if args.command == "compile":
@@ -233,13 +244,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compiled {args.output} (image {args.image})")
         return 0
     if not args.mlflow_tracking_uri:
-        parser.error("submit needs --mlflow-tracking-uri or MLFLOW_TRACKING_URI")
+        parser.error(f"{args.command} needs --mlflow-tracking-uri or MLFLOW_TRACKING_URI")
     from kfp.client import Client
 
     client = Client(host=args.host, namespace=args.namespace, existing_token=os.environ.get("KFP_TOKEN"))
+    arguments = {"mlflow_tracking_uri": args.mlflow_tracking_uri}
+    if args.command == "schedule":
+        # create_experiment returns the existing experiment of that name.
+        experiment = client.create_experiment(args.experiment, namespace=args.namespace)
+        listed = client.list_recurring_runs(
+            experiment_id=experiment.experiment_id, namespace=args.namespace, page_size=100
+        )
+        for old in listed.recurring_runs or []:
+            if old.display_name == args.name:
+                client.delete_recurring_run(old.recurring_run_id)
+                print(f"replaced recurring run {old.recurring_run_id}")
+        job = client.create_recurring_run(
+            experiment.experiment_id,
+            args.name,
+            cron_expression=args.cron,
+            params=arguments,
+            pipeline_package_path=args.package,
+            max_concurrency=1,
+            no_catchup=True,
+        )
+        print(f"recurring run {job.recurring_run_id}: {args.name} at cron {args.cron!r}")
+        return 0
     result = client.create_run_from_pipeline_package(
         args.package,
-        arguments={"mlflow_tracking_uri": args.mlflow_tracking_uri},
+        arguments=arguments,
         experiment_name=args.experiment,
         namespace=args.namespace,
     )

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+from production_service import faults
 from production_service.config import ServiceConfig
 from production_service.model_source import ModelInfo, resolve_model
 from production_service.schemas import Limits
@@ -58,6 +59,7 @@ class Runtime:
             engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0, max_tokens=8))
             engine.metrics = EngineMetrics()  # the warm-up is not a request anyone made
             loop = EngineLoop(engine, max_queued=self.config.max_queued)
+            faults.inject(engine, loop)  # LMOPS_FAULT_*: off unless set
         except Exception as exc:  # any failure to load is fatal: one clear line, no traceback
             self.error = f"cannot load the model from {self.config.model_uri or self.config.model_dir}: {exc}"
             log.error(self.error)

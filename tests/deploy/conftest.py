@@ -42,6 +42,13 @@ SECRETS = {
 UNSET = (
     "CLOUD",
     "GPU",
+    "CANARY",
+    "CANARY_PERCENT",
+    "ROLLOUT_TIMEOUT",
+    "ROLLOUT_POLL",
+    "PROMETHEUS_URL",
+    "ANALYSIS_INTERVAL",
+    "KFP_CRON",
     "DRY_RUN",
     "IMAGE",
     "KUBEFLOW_REGISTRY",

@@ -63,7 +63,7 @@ def test_credentials_only_through_bindings():
 
 
 def test_parameters_and_stages():
-    for name in ("CLOUD", "IMAGE_TAG", "RUN_PIPELINE", "DEPLOY"):
+    for name in ("CLOUD", "IMAGE_TAG", "RUN_PIPELINE", "DEPLOY", "CANARY", "RETRAIN", "RETRAIN_CRON"):
         assert re.search(rf"name: '{name}'", CODE), name
     assert "choices: ['aks', 'eks', 'kubeflow']" in CODE
     stages = re.findall(r"stage\('([^']+)'\)", CODE)
@@ -81,3 +81,36 @@ def test_parameters_and_stages():
     ]
     assert re.search(r"junit testResults: 'reports/junit.xml'", CODE)
     assert "make test PYTEST_ADDOPTS=--junitxml=reports/junit.xml" in sh_commands()
+
+
+def stage(name: str) -> str:
+    """The text of one stage, up to the next."""
+    return CODE.split(f"stage('{name}')")[1].split("stage('")[0]
+
+
+def test_continuous_training_retrains_on_the_timer_or_on_request_and_releases_only_a_new_champion():
+    assert re.search(
+        r"triggers \{\s*cron\(params\.RETRAIN_CRON == null \? 'H 2 \* \* \*' : params\.RETRAIN_CRON\)", CODE
+    )
+    assert "name: 'RETRAIN_CRON', defaultValue: 'H 2 * * *'" in CODE
+    assert (
+        "params.RETRAIN || !currentBuild.getBuildCauses('hudson.triggers.TimerTrigger$TimerTriggerCause')"
+        in CODE
+    )
+    dvc = stage("DVC pull, repro, push")
+    assert "retraining()" in dvc.split("steps")[0]
+    assert re.search(r"if \(retraining\(\)\) \{\s*sh 'deploy/dvc.sh pull refresh repro push'", dvc)
+    assert "fileExists('reports/new-champion')" in CODE  # what deploy/dvc.sh writes
+    for name in ("Fetch model", "Build image", "Push image", "Deploy", "Smoke test"):
+        assert "releasing()" in stage(name).split("steps")[0], name
+    assert 'withEnv(["CANARY=${canary}"])' in stage("Deploy")
+    assert "def canary = params.CANARY || retraining()" in stage("Deploy")
+
+
+def test_a_failing_stage_ends_the_build_before_anything_is_deployed():
+    """A champion whose image does not build never reaches the cluster: no step may
+    swallow a failure, and the image is built and pushed before the deploy."""
+    for forgiving in ("catchError", "returnStatus", "propagate: false", "unstable(", "try {"):
+        assert forgiving not in CODE, forgiving
+    stages = re.findall(r"stage\('([^']+)'\)", CODE)
+    assert stages.index("Build image") < stages.index("Push image") < stages.index("Deploy")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -152,3 +153,58 @@ def test_step_shell_copies_inputs_runs_the_stage_and_exports_outputs(tmp_path, f
         timeout=30,
     )
     assert proc.returncode != 0 and not (tmp_path / "out" / "again").exists()
+
+
+class FakeKfp:
+    """Stands in for kfp.client.Client (the KFP API is a cloud API): records the calls."""
+
+    calls: list = []
+
+    def __init__(self, host, namespace=None, existing_token=None):
+        self.calls.append(("client", host, namespace))
+
+    def create_experiment(self, name, namespace=None):
+        self.calls.append(("experiment", name, namespace))
+        return SimpleNamespace(experiment_id="exp-1")
+
+    def list_recurring_runs(self, experiment_id, namespace=None, page_size=10):
+        runs = [
+            SimpleNamespace(display_name="lmops-retrain", recurring_run_id="old-1"),
+            SimpleNamespace(display_name="someone-elses", recurring_run_id="other"),
+        ]
+        return SimpleNamespace(recurring_runs=runs)
+
+    def delete_recurring_run(self, recurring_run_id):
+        self.calls.append(("delete", recurring_run_id))
+
+    def create_recurring_run(self, experiment_id, job_name, **kwargs):
+        self.calls.append(("create", experiment_id, job_name, kwargs))
+        return SimpleNamespace(recurring_run_id="new-1")
+
+
+def test_schedule_replaces_the_recurring_run_of_the_same_name(tmp_path, monkeypatch, capsys):
+    import kfp.client
+
+    spec = importlib.util.spec_from_file_location("pipeline", REPO / "kubeflow" / "pipeline.py")
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+    monkeypatch.setattr(kfp.client, "Client", FakeKfp)
+    FakeKfp.calls = []
+    package = str(tmp_path / "p.yaml")
+    argv = ["schedule", "--host", "https://kfp.invalid", "--package", package, "--namespace", "team"]
+    assert pipeline.main([*argv, "--mlflow-tracking-uri", "http://mlflow:5000"]) == 0
+    assert FakeKfp.calls[:3] == [
+        ("client", "https://kfp.invalid", "team"),
+        ("experiment", "lmops", "team"),
+        ("delete", "old-1"),
+    ]
+    (_, experiment, name, kwargs) = FakeKfp.calls[3]
+    assert (experiment, name) == ("exp-1", "lmops-retrain")
+    assert kwargs["cron_expression"] == "0 0 2 * * *" and kwargs["pipeline_package_path"] == package
+    assert kwargs["params"] == {"mlflow_tracking_uri": "http://mlflow:5000"}
+    assert kwargs["max_concurrency"] == 1 and kwargs["no_catchup"] is True
+    assert "recurring run new-1" in capsys.readouterr().out
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(SystemExit):
+        pipeline.main(argv)  # no MLflow server: a usage error, nothing scheduled
+    assert len(FakeKfp.calls) == 4

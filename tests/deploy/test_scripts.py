@@ -82,18 +82,57 @@ DRY_RUNS = [
         ],
     ),
     (
+        "deploy.sh",
+        (),
+        {"CLOUD": "aks", "CANARY": "true"},
+        [
+            f"rendered deploy/aks/canary with image {ACR}:0123abcd",
+            "kubectl apply --filename",
+            "kubectl --namespace lmops get rollout lmops --output",
+            "kubectl --namespace lmops delete deployment lmops --ignore-not-found",
+        ],
+    ),
+    (
+        "deploy.sh",
+        (),
+        {"CLOUD": "eks", "CANARY": "1", "GPU": "1"},
+        [f"rendered deploy/eks/canary/gpu with image {ECR}:0123abcd-cuda", "get rollout lmops"],
+    ),
+    (
         "kubeflow.sh",
         ("deploy",),
         {},
         ["kubectl apply --filename", "wait inferenceservice/lmops --for=condition=Ready"],
     ),
     ("kubeflow.sh", ("deploy",), {"GPU": "1"}, ["kubectl apply --filename"]),
+    (
+        "kubeflow.sh",
+        ("deploy",),
+        {"CANARY": "true", "PROMETHEUS_URL": "http://prometheus.invalid:9090"},
+        [
+            "kubectl apply --filename",
+            "wait inferenceservice/lmops --for=condition=Ready",
+            "get inferenceservice lmops --output jsonpath=",
+            "python deploy/canary_analysis.py --prometheus http://prometheus.invalid:9090",
+            "--arg canary-hash=CANARY_REVISION --arg stable-hash=STABLE_REVISION",
+            '--patch \\{\\"spec\\":\\{\\"predictor\\":\\{\\"canaryTrafficPercent\\":100',
+        ],
+    ),
     ("kubeflow.sh", ("train",), {}, ["delete pytorchjob lmops-train --ignore-not-found", "kubectl apply"]),
     (
         "kubeflow.sh",
         ("pipeline",),
         {},
         ["python kubeflow/pipeline.py submit --host https://kfp.invalid --package"],
+    ),
+    (
+        "kubeflow.sh",
+        ("schedule",),
+        {"KFP_CRON": "0 30 1 * * *"},
+        [
+            "python kubeflow/pipeline.py schedule --host https://kfp.invalid",
+            "--cron 0\\ 30\\ 1\\ \\*\\ \\*\\ \\*",
+        ],
     ),
     (
         "smoke_test.sh",
@@ -120,6 +159,12 @@ DRY_RUNS = [
         ],
     ),
     ("dvc.sh", ("pull", "repro", "push"), {}, ["dvc pull --allow-missing", "dvc repro", "dvc push"]),
+    (
+        "dvc.sh",
+        ("pull", "refresh", "repro", "push"),
+        {},
+        ["dvc pull --allow-missing", "dvc repro --force --single-item get_data", "dvc repro\n", "dvc push"],
+    ),
     ("fetch_model.sh", (), {}, ["python -c", "models:/lmops@champion"]),
 ]
 
