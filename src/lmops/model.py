@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from lmops.errors import LmopsError
@@ -236,7 +236,9 @@ class Llama(nn.Module):
         state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.state_dict().items()}
         if self.config.tie_embeddings:
             state.pop("lm_head.weight")
-        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        # Through a plain write: safetensors' save_file creates the file 0600, which the
+        # unprivileged user of a container or another host user could not read.
+        (directory / "model.safetensors").write_bytes(save(state, metadata={"format": "pt"}))
         (directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2) + "\n")
         ids = {"bos_token_id": self.config.bos_token_id, "eos_token_id": self.config.eos_token_id}
         (directory / "generation_config.json").write_text(

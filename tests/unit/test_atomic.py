@@ -15,6 +15,8 @@ import torch
 
 from lmops import atomic, tracking
 from lmops.engine import LLMEngine
+from lmops.model import Llama, LlamaConfig
+from lmops.random_model import TINY
 
 
 def mode(path: Path) -> int:
@@ -38,6 +40,17 @@ def test_outputs_get_the_umask_modes(tmp_path, umask, mask):
     assert mode(tmp_path / "a.txt") == 0o666 & ~mask
     assert mode(tmp_path / "d") == 0o777 & ~mask and mode(tmp_path / "d/f") == 0o666 & ~mask
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "d"]  # no temporaries left
+
+
+def test_a_saved_model_directory_gets_the_umask_modes(tmp_path, umask):
+    """save_pretrained (artifacts/model) too: safetensors' own save_file would make the weights 0600."""
+    umask(0o022)
+    Llama(LlamaConfig(vocab_size=300, **TINY)).save_pretrained(tmp_path / "m")
+    assert {p.name: mode(p) for p in (tmp_path / "m").iterdir()} == {
+        "config.json": 0o644,
+        "generation_config.json": 0o644,
+        "model.safetensors": 0o644,
+    }
 
 
 def test_a_failed_directory_write_leaves_the_old_one(tmp_path):
