@@ -85,7 +85,20 @@ def test_prompts_under_the_body_limit_cost_under_100ms_and_no_memory(server):
     assert rss_mb(pid) - before < 50
 
 
-def test_a_client_that_leaves_a_plain_request_aborts_it_within_a_second(server):
+@pytest.fixture
+def slow_server(model_dir, tmp_path):
+    """A replica whose every engine step takes 20 ms (production_service/faults.py): the 250
+    tokens below take 5 s or more, so the request is surely still running when the client
+    leaves, however fast the machine."""
+    srv = start_server(
+        model_dir, tmp_path / "slow.log", LMOPS_API_KEY="test-key", LMOPS_FAULT_STEP_DELAY="0.02"
+    )
+    yield srv
+    srv.stop()
+
+
+def test_a_client_that_leaves_a_plain_request_aborts_it_within_a_second(slow_server):
+    server = slow_server
     url = urlparse(server.url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
     body = {"prompt": "ROMEO: ", "n": 16, "max_tokens": 250, "ignore_eos": True}
