@@ -70,7 +70,7 @@ def reconcile(cfg: PromoteConfig, model_dir: Path) -> None:
     held = exported_version(export_dir)
     if held == (cfg.model_name, str(champion.version)):
         return
-    if held is not None or export_dir.exists():
+    if held is not None or (export_dir.is_dir() and any(export_dir.iterdir())):  # template.py makes it empty
         what = f"{held[0]} v{held[1]}" if held else "an unknown model"
         log.warning("%s holds %s, not @%s v%s: re-exporting", export_dir, what, cfg.alias, champion.version)
     tags = champion.tags or {}
