@@ -98,3 +98,18 @@ def kubectl() -> str:
 def tiny_model(directory: Path) -> Path:
     """A randomly initialised tiny Llama in the production model layout."""
     return make_tiny_model_dir(directory)
+
+
+def fake_cluster(tmp_path: Path, kubectl: str, cases: str = "") -> tuple[Path, Path]:
+    """Stand-ins for az and kubectl (kustomize stays the real one) that log every call to
+    calls.log; `cases` are extra `case "$*" in` branches for the kubectl stand-in."""
+    log, bin_dir = tmp_path / "calls.log", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "az").write_text(f'#!/bin/sh\necho "az $*" >> {log}\n')
+    (bin_dir / "kubectl").write_text(
+        f'#!/bin/sh\n[ "$1" = kustomize ] && exec {kubectl} "$@"\necho "kubectl $*" >> {log}\n'
+        f'case "$*" in\n{cases}esac\n'
+    )
+    for fake in bin_dir.iterdir():
+        fake.chmod(0o755)
+    return bin_dir, log

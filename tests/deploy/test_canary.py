@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.conftest import REPO, run_script, script_env, tool
+from tests.deploy.conftest import REPO, fake_cluster, run_script, script_env, tool
 from tests.deploy.test_kubernetes import validate
 from tests.deploy.test_smoke import free_port
 
@@ -103,25 +103,19 @@ REPORT_ERROR = """analysis lmops-6f9c-2-1: Error Metric "ttft-p95" assessed Erro
 def cluster(tmp_path: Path, kubectl: str, states: list[str], report: str = "") -> tuple[str, Path]:
     """Stand-ins for az and kubectl (kustomize is the real one). Each `get rollout`
     answers the next line of `states` (the last one repeats); every call is logged."""
-    log, queue = tmp_path / "calls.log", tmp_path / "states"
+    queue = tmp_path / "states"
     queue.write_text("\n".join(states) + "\n")
     (tmp_path / "report").write_text(report)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "az").write_text(f'#!/bin/sh\necho "az $*" >> {log}\n')
-    (bin_dir / "kubectl").write_text(f"""#!/bin/sh
-[ "$1" = kustomize ] && exec {kubectl} "$@"
-echo "kubectl $*" >> {log}
-case "$*" in
-  *"get rollout lmops"*)
+    bin_dir, log = fake_cluster(
+        tmp_path,
+        kubectl,
+        f"""  *"get rollout lmops"*)
     head -n 1 {queue}
     [ "$(wc -l < {queue})" -gt 1 ] && sed -i 1d {queue}
     exit 0 ;;
   *"get analysisruns"*) cat {tmp_path / "report"} ;;
-esac
-""")
-    for fake in bin_dir.iterdir():
-        fake.chmod(0o755)
+""",
+    )
     return str(bin_dir), log
 
 

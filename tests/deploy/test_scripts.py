@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.conftest import BIN, REPO, SECRETS, run_script, tiny_model, tool
+from tests.deploy.conftest import BIN, REPO, SECRETS, fake_cluster, run_script, tiny_model, tool
 
 ACR, ECR = "testacr.azurecr.io/lmops", "111122223333.dkr.ecr.eu-west-1.amazonaws.com/lmops"
 AKS_LOGIN = "az aks get-credentials --resource-group test-rg --name test-aks"
@@ -223,19 +223,9 @@ def test_missing_or_wrong_settings_stop_with_a_clear_message(script, env, messag
 def test_failed_rollout_is_rolled_back(tmp_path, kubectl):
     """deploy.sh for real, against stand-ins for az and the cluster: the first rollout
     never completes, so it must undo it, wait for the old one, and fail."""
-    log = tmp_path / "calls.log"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "az").write_text(f'#!/bin/sh\necho "az $*" >> {log}\n')
-    (bin_dir / "kubectl").write_text(f"""#!/bin/sh
-[ "$1" = kustomize ] && exec {kubectl} "$@"
-echo "kubectl $*" >> {log}
-case "$*" in
-  *"rollout status"*) grep -q "rollout undo" {log} ;;
-esac
-""")
-    for fake in bin_dir.iterdir():
-        fake.chmod(0o755)
+    bin_dir, log = fake_cluster(
+        tmp_path, kubectl, f'  *"rollout status"*) grep -q "rollout undo" {tmp_path / "calls.log"} ;;\n'
+    )
     proc = run_script("deploy.sh", path_prefix=str(bin_dir), CLOUD="aks")
     assert proc.returncode == 1, proc.stderr
     calls = [line.split(" --kubeconfig")[0] for line in log.read_text().splitlines()]
