@@ -86,9 +86,9 @@ class Server:
         return self.proc.wait(timeout)
 
 
-def start_server(model_dir: Path | None, log: Path, wait_ready: bool = True, **env: str) -> Server:
-    port, probe_port = free_port(), free_port()
-    full_env = {
+def server_env(port: int, probe_port: int, **env: str) -> dict[str, str]:
+    """A test replica's environment: loopback, its own free ports, CPU, a short drain."""
+    return {
         **os.environ,
         "HOST": "127.0.0.1",
         "PORT": str(port),
@@ -97,6 +97,11 @@ def start_server(model_dir: Path | None, log: Path, wait_ready: bool = True, **e
         "LMOPS_GRACEFUL_TIMEOUT": "10",
         **env,
     }
+
+
+def start_server(model_dir: Path | None, log: Path, wait_ready: bool = True, **env: str) -> Server:
+    port, probe_port = free_port(), free_port()
+    full_env = server_env(port, probe_port, **env)
     if model_dir is not None:
         full_env["LMOPS_MODEL_DIR"] = str(model_dir)
     with log.open("wb") as out:

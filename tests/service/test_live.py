@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import requests
 
 from production_service.server import wait_ready
 from tests.conftest import make_tiny_model_dir
-from tests.service.conftest import free_port, start_server
+from tests.service.conftest import free_port, server_env, start_server
 
 LONG_CONTEXT = 2048
 
@@ -228,14 +227,7 @@ def test_concurrent_requests_share_the_batch(server):
 def test_lmops_serve_runs_outside_the_checkout(model_dir, tmp_path):
     """`lmops serve` needs no repository-relative path: the service is installed with lmops."""
     port, probe_port = free_port(), free_port()
-    env = {
-        **os.environ,
-        "HOST": "127.0.0.1",
-        "PORT": str(port),
-        "LMOPS_PROBE_PORT": str(probe_port),
-        "LMOPS_DEVICE": "cpu",
-        "LMOPS_GRACEFUL_TIMEOUT": "5",
-    }
+    env = server_env(port, probe_port, LMOPS_GRACEFUL_TIMEOUT="5")
     lmops = Path(sys.executable).parent / "lmops"
     with (tmp_path / "serve.log").open("wb") as log:
         proc = subprocess.Popen(
