@@ -17,13 +17,20 @@ code on disk (TORCHINDUCTOR_CACHE_DIR, default under /tmp), so a restart compile
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.aot_compile import AOTCompiledFunction
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+import lmops
+from lmops import atomic
 from lmops.engine.kv_cache import KVPool
 from lmops.engine.sequence import Sequence
 
@@ -89,21 +96,40 @@ class CompiledDecode:
         # left for guards to catch: the caller picks the size, the inputs' dtypes and ranks
         # never change, and the block-table width is symbolic (two blocks at least: a
         # symbolic size of 1 would be specialised). The weights are read from the model at
-        # each call, not baked in.
+        # each call, not baked in, so a graph fits any engine of the same structure.
         # cpp_wrapper: the code that calls the step's kernels is C++ too, not Python
         # (about 0.1 ms less per step at batch 1; benchmarks/README.md).
         options = {"cpp_wrapper": True, "guard_filter_fn": lambda guards: [False] * len(guards)}
-        compiler = torch.compile(self._eager_step, fullgraph=True, options=options)
-        self._steps = {}
+        self._compiler = torch.compile(self._eager_step, fullgraph=True, options=options)
+        self.cache_dir = Path(cache_dir()) / "lmops-decode"
+        key = _structure_key(forward, pool)
         t = time.perf_counter()
-        with torch.inference_mode():
-            for b in self.sizes:
-                meta, tables = self._inputs([], b)
-                torch._dynamo.mark_dynamic(tables, 1)
-                self._steps[b] = compiler.aot_compile(((meta, tables), {}))
-                self._steps[b].disable_guard_check()
+        self._steps = {b: self._load_or_compile(b, f"{key}-b{b}.bin") for b in self.sizes}
         self.compile_seconds = time.perf_counter() - t
         log.info("compiled decode for batch sizes %s in %.1f s", self.sizes, self.compile_seconds)
+
+    def _load_or_compile(self, size: int, name: str) -> AOTCompiledFunction:
+        """The graph for `size` from the on-disk cache, else compiled and saved there.
+        aot_compile bypasses inductor's own cache (it compiled afresh, 30 s for the
+        default model's 5 sizes, at every start); a saved graph loads in milliseconds."""
+        path = self.cache_dir / name
+        step = None
+        if path.is_file():
+            try:
+                step = AOTCompiledFunction.deserialize(path.read_bytes())
+            except Exception as exc:  # e.g. truncated by a full disk: compile again
+                log.warning("compiled decode: ignoring unreadable cache %s: %s", path, exc)
+        if step is None:
+            meta, tables = self._inputs([], size)
+            torch._dynamo.mark_dynamic(tables, 1)
+            with torch.inference_mode():
+                step = self._compiler.aot_compile(((meta, tables), {}))
+            try:
+                atomic.write_bytes(path, AOTCompiledFunction.serialize(step).serialized_data)
+            except OSError as exc:
+                log.warning("compiled decode: cannot cache %s: %s", path, exc)
+        step.disable_guard_check()
+        return step
 
     def _eager_step(self, meta, tables) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, vocab) and the step's K/V of every layer, (layers, 2 * Hkv, B, D)."""
@@ -148,3 +174,26 @@ class CompiledDecode:
             return None
         size = next(b for b in self.sizes if b >= len(seqs))
         return self._run(seqs, size)
+
+
+def _structure_key(forward: FusedForward, pool: KVPool) -> str:
+    """What a saved graph depends on, since no guard checks it at run time: torch and
+    Python, the lmops source it was traced from, the model config (its sizes and eps are
+    constants in the graph), and the kind, shape, dtype and strides of every tensor the
+    graph reads (weights after fusing and quantizing, RoPE tables, the KV pool). Not the
+    weights' values, which each call reads afresh."""
+    h = hashlib.sha256(f"{torch.__version__} {sys.version} {forward.model.config!r}".encode())
+    for f in sorted(Path(lmops.__file__).parent.rglob("*.py")):
+        h.update(f.read_bytes())
+    m = forward.model
+    reads = [m.model.embed_tokens.weight, m.model.norm.weight, m.lm_head.weight, forward.cos]
+    reads += [forward.sin_signed, pool.kv, *(w for layer in forward.layers for w in layer)]
+    h.update(";".join(map(_describe, reads)).encode())
+    return h.hexdigest()[:32]
+
+
+def _describe(x) -> str:
+    """A tensor's layout; for a weight object such as quantize.Int8Weight, its tensors'."""
+    if isinstance(x, torch.Tensor):
+        return f"{tuple(x.shape)} {x.dtype} {x.stride()} {x.device.type}"
+    return f"{type(x).__name__}({','.join(_describe(v) for v in vars(x).values())})"

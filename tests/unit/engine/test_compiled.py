@@ -98,3 +98,45 @@ def test_compiled_int8_matches_eager_int8(model_dir, prompts):
     batch = prompts[5:7]
     compiled, eager = ([o.token_ids for o in e.generate(batch, GREEDY)] for e in engines)
     assert compiled == eager
+
+
+def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp_path, caplog):
+    """A second engine loads the first one's graphs without compiling; an unreadable cache
+    file is compiled afresh (with a warning) and replaced."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    first = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
+    saved = list((tmp_path / "lmops-decode").glob("*-b1.bin"))
+    assert len(saved) == 1
+    batch = [prompts[3]]
+    expected = [o.token_ids for o in first.generate(batch, GREEDY)]
+
+    real_compile = compiled_module.torch.compile
+
+    class NoCompile:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def aot_compile(self, *args):
+            raise AssertionError("compiled although the graph was cached")
+
+    monkeypatch.setattr(compiled_module.torch, "compile", NoCompile)
+    second = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
+    assert second.runner.decode is not None
+    assert [o.token_ids for o in second.generate(batch, GREEDY)] == expected
+
+    monkeypatch.setattr(compiled_module.torch, "compile", real_compile)
+    saved[0].write_bytes(b"not a graph")
+    third = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
+    assert "ignoring unreadable cache" in caplog.text
+    assert [o.token_ids for o in third.generate(batch, GREEDY)] == expected
+    assert saved[0].stat().st_size > 1000
+
+
+def test_cache_key_follows_the_graphs_structure(model_dir):
+    """Saved graphs run unguarded, so anything traced into them must change the key:
+    quantized weights, another KV block size."""
+    keys = set()
+    for overrides in ({}, {"quantization": "int8"}, {"block_size": 8}):
+        engine = LLMEngine.from_pretrained(model_dir, device="cpu", compile=False, **overrides)
+        keys.add(compiled_module._structure_key(engine.runner.forward, engine.pool))
+    assert len(keys) == 3
