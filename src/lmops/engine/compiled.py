@@ -11,8 +11,10 @@ The graph is `FusedForward` itself, traced with a decode-only attention whose sh
 fixed per batch size except the block-table width (symbolic, so contexts of any length
 share one graph). It returns the step's K/V, which the runner writes into the pool after
 the graph; padding rows write theirs into a scratch block that the engine reserves past
-the block manager's blocks, and their logits are dropped. Inductor caches its generated
-code on disk (TORCHINDUCTOR_CACHE_DIR, default under /tmp), so a restart compiles faster.
+the block manager's blocks, and their logits are dropped. Each size's graph is compiled
+ahead of time and called without dynamo's guards; the compiled graphs are saved under
+inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, default under /tmp, in
+`lmops-decode/`), so a restart with the same model structure loads them in seconds.
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch._dynamo.aot_compile import AOTCompiledFunction
-from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 import lmops
 from lmops import atomic
@@ -35,6 +35,8 @@ from lmops.engine.kv_cache import KVPool
 from lmops.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
     from lmops.engine.runner import FusedForward
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,10 @@ class CompiledDecode:
         # (about 0.1 ms less per step at batch 1; benchmarks/README.md).
         options = {"cpp_wrapper": True, "guard_filter_fn": lambda guards: [False] * len(guards)}
         self._compiler = torch.compile(self._eager_step, fullgraph=True, options=options)
+        # (Imported here: torch._dynamo takes a second to import, which an engine that
+        # does not compile need not pay.)
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
         self.cache_dir = Path(cache_dir()) / "lmops-decode"
         key = _structure_key(forward, pool)
         t = time.perf_counter()
@@ -112,6 +118,8 @@ class CompiledDecode:
         """The graph for `size` from the on-disk cache, else compiled and saved there.
         aot_compile bypasses inductor's own cache (it compiled afresh, 30 s for the
         default model's 5 sizes, at every start); a saved graph loads in milliseconds."""
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
         path = self.cache_dir / name
         step = None
         if path.is_file():
@@ -181,7 +189,8 @@ def _structure_key(forward: FusedForward, pool: KVPool) -> str:
     Python, the lmops source it was traced from, the model config (its sizes and eps are
     constants in the graph), and the kind, shape, dtype and strides of every tensor the
     graph reads (weights after fusing and quantizing, RoPE tables, the KV pool). Not the
-    weights' values, which each call reads afresh."""
+    weights' values, which each call reads afresh. (The pool's size is in it too: where
+    free memory sizes the pool, a restart may miss the cache and compile again.)"""
     h = hashlib.sha256(f"{torch.__version__} {sys.version} {forward.model.config!r}".encode())
     for f in sorted(Path(lmops.__file__).parent.rglob("*.py")):
         h.update(f.read_bytes())
