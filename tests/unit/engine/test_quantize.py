@@ -5,20 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmops.engine import LLMEngine, SamplingParams
 from lmops.engine.config import EngineConfig
 from lmops.errors import LmopsError
 from lmops.model import Llama
-from lmops.quantize import Int8Linear, Int8Weight, quantize
+from lmops.quantize import GEMM_ROWS, Int8Linear, Int8Weight, quantize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.mark.parametrize("width", [64, 60])  # the CPU int8 kernel, and the dequantizing fallback
-def test_int8_linear_is_close_to_float(width):
+# Width 64 takes the CPU int8 kernel below GEMM_ROWS rows and the dequantizing GEMM from
+# there on; width 60 (not a multiple of 16) the dequantizing GEMM at any row count.
+@pytest.mark.parametrize("rows", [1, GEMM_ROWS - 1, GEMM_ROWS, 4 * GEMM_ROWS])
+@pytest.mark.parametrize("width", [64, 60])
+def test_int8_linear_is_close_to_float(width, rows):
     torch.manual_seed(0)
-    w, x = torch.randn(96, width) * 0.05, torch.randn(3, 5, width)
+    w, x = torch.randn(96, width) * 0.05, torch.randn(rows, 1, width)
     qw = Int8Weight.from_float(w)
     assert qw.q.dtype == torch.int8 and qw.scale.shape == (96,)
     dequant = qw.q.float() * qw.scale.float()[:, None]
@@ -27,6 +31,30 @@ def test_int8_linear_is_close_to_float(width):
     y, ref = F.linear(x, qw), x @ w.T
     assert y.shape == ref.shape and y.dtype == torch.float32
     assert (y - ref).norm() / ref.norm() < 0.01
+
+
+class _AtenOps(TorchDispatchMode):
+    """Records the ATen ops that run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("rows", "kernel"), [(1, True), (GEMM_ROWS - 1, True), (GEMM_ROWS, False)])
+def test_int8_linear_takes_the_kernel_below_gemm_rows_and_a_gemm_from_there(rows, kernel):
+    """The int8 kernel is a matrix-vector one (slower than float32 at many rows, see
+    lmops.quantize): few rows go through it, more rows through one dequantized GEMM."""
+    torch.manual_seed(0)
+    qw, x = Int8Weight.from_float(torch.randn(32, 64)), torch.randn(rows, 64)
+    with _AtenOps() as seen:
+        F.linear(x, qw)
+    assert ("_weight_int8pack_mm" in seen.ops) is kernel
+    assert ("mm" in seen.ops) is not kernel
 
 
 def test_quantize_replaces_every_linear_and_keeps_the_embedding(model_dir):
