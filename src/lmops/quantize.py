@@ -29,13 +29,17 @@ METHODS = ("int8",)
 # _weight_int8pack_mm reads the input width in 16-element vectors (other widths crash it).
 _KERNEL_ALIGN = 16
 # From this many rows on, CPU products dequantize to a GEMM instead of the int8 kernel.
-# Micro-benchmark on the 25M model's shapes, 1 thread, AVX512 + bf16 (ms, kernel / bf16
-# dequant+GEMM / float32 GEMM): qkv 512->1024 at 12 rows 0.174 / 0.183 / 0.183, at 16
-# 0.231 / 0.203 / 0.224, at 64 0.897 / 0.427 / 0.705; gate/up 512->2752 at 12 0.467 /
-# 0.430 / 0.502, at 16 0.613 / 0.482 / 0.601, at 64 2.54 / 1.10 / 2.45; LM head
-# 512->4096 at 1 row 0.119 / 0.450 / 0.176, at 16 0.931 / 0.782 / 1.044, at 256
-# 23.1 / 5.9 / 19.4. The kernel wins below ~12 rows, the GEMM from 16 on.
-GEMM_ROWS = 16
+# Measured on the 25M model's shapes (benchmarks/quantize.py, 1 thread, AVX512 with bf16),
+# ms per product, float32 / int8 kernel / bfloat16 dequant+GEMM:
+#   rows  qkv 512->1024       o 512->512          gate/up 512->2752   down 1376->512
+#    1    0.045/0.031/0.124   0.021/0.023/0.091   0.116/0.057/0.246   0.046/0.036/0.145
+#   16    0.153/0.136/0.176   0.084/0.075/0.120   0.394/0.317/0.295   0.195/0.172/0.207
+#   24    0.194/0.194/0.200   0.104/0.108/0.134   0.499/0.471/0.346   0.253/0.236/0.230
+#   64    0.484/0.480/0.334   0.244/0.258/0.206   1.07/1.23/0.676     0.573/0.591/0.393
+# A layer's four products: kernel 0.70 ms vs GEMM 0.80 at 16 rows, 1.01 vs 0.91 at 24.
+# (LM head 512->4096: 0.172/0.077/0.323 at 1 row, 0.648/0.470/0.514 at 16, 0.838/0.688/0.603 at 24.)
+# From 64 rows on the kernel is no faster than float32, the GEMM 1.2-2x faster.
+GEMM_ROWS = 24
 # Whether the CPU's bfloat16 matmul is native (avx512_bf16/AMX); if not, dequantize to float32.
 _CPU_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
