@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import lmops.quantize
 from lmops.engine import LLMEngine, SamplingParams
 from lmops.engine.config import EngineConfig
 from lmops.errors import LmopsError
@@ -65,11 +66,15 @@ def test_quantize_replaces_every_linear_and_keeps_the_embedding(model_dir):
         quantize(model, "int4")
 
 
+@pytest.mark.parametrize("gemm_rows", [10**9, 0], ids=["kernel", "gemm"])
 def test_int8_engine_matches_full_recompute_of_the_int8_model(
-    model_dir, ref_model, prompts, greedy_reference, all_blocks_free
+    model_dir, ref_model, prompts, greedy_reference, all_blocks_free, monkeypatch, gemm_rows
 ):
     """The engine's fused, paged path over int8 weights computes what the int8 model does,
-    and greedy decoding stays close to the float model's (a sanity bound, not parity)."""
+    and greedy decoding stays close to the float model's (a sanity bound, not parity).
+    One product path per run: the kernel and the GEMM round differently, and a full
+    recompute's row count crosses GEMM_ROWS where the engine's decode steps do not."""
+    monkeypatch.setattr(lmops.quantize, "GEMM_ROWS", gemm_rows)
     int8_ref = quantize(Llama.from_pretrained(model_dir, "cpu", torch.float32), "int8")
     engine = LLMEngine.from_pretrained(model_dir, device="cpu", block_size=16, quantization="int8")
     assert isinstance(engine.model.lm_head, Int8Linear)
