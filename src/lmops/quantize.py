@@ -30,16 +30,17 @@ METHODS = ("int8",)
 _KERNEL_ALIGN = 16
 # From this many rows on, CPU products dequantize to a GEMM instead of the int8 kernel.
 # Measured on the 25M model's shapes (benchmarks/quantize.py, 1 thread, AVX512 with bf16),
-# ms per product, float32 / int8 kernel / bfloat16 dequant+GEMM:
+# ms per product, float32 / int8 kernel / bfloat16 dequant+GEMM, fastest of 4 rounds:
 #   rows  qkv 512->1024       o 512->512          gate/up 512->2752   down 1376->512
-#    1    0.045/0.031/0.124   0.021/0.023/0.091   0.116/0.057/0.246   0.046/0.036/0.145
-#   16    0.153/0.136/0.176   0.084/0.075/0.120   0.394/0.317/0.295   0.195/0.172/0.207
-#   24    0.194/0.194/0.200   0.104/0.108/0.134   0.499/0.471/0.346   0.253/0.236/0.230
-#   64    0.484/0.480/0.334   0.244/0.258/0.206   1.07/1.23/0.676     0.573/0.591/0.393
-# A layer's four products: kernel 0.70 ms vs GEMM 0.80 at 16 rows, 1.01 vs 0.91 at 24.
-# (LM head 512->4096: 0.172/0.077/0.323 at 1 row, 0.648/0.470/0.514 at 16, 0.838/0.688/0.603 at 24.)
-# From 64 rows on the kernel is no faster than float32, the GEMM 1.2-2x faster.
-GEMM_ROWS = 24
+#    1    0.041/0.043/0.151   0.021/0.027/0.097   0.105/0.091/0.320   0.046/0.051/0.185
+#   12    0.181/0.181/0.197   0.091/0.096/0.122   0.490/0.462/0.449   0.229/0.224/0.245
+#   16    0.222/0.237/0.216   0.111/0.124/0.132   0.598/0.610/0.499   0.282/0.291/0.270
+#   64    0.698/0.894/0.440   0.346/0.454/0.246   1.91/2.41/1.10      0.919/1.13/0.571
+# A layer's four products, kernel vs GEMM: 0.96 vs 1.01 ms at 12 rows, 1.26 vs 1.12 at 16.
+# The crossover moves with the load on the shared box: a quieter run put it near 20 rows
+# (0.70 vs 0.80 ms at 16, 1.01 vs 0.91 at 24), so the threshold sits between. From 64
+# rows on the kernel is slower than float32 and the GEMM 1.4-2x faster than float32.
+GEMM_ROWS = 16
 # Whether the CPU's bfloat16 matmul is native (avx512_bf16/AMX); if not, dequantize to float32.
 _CPU_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
