@@ -103,6 +103,10 @@ class TrainConfig(_Section):
     checkpoint_interval: PositiveInt = 100
     log_interval: PositiveInt = 10
     threads: Annotated[int, Field(ge=0)] = 0  # 0 = torch default
+    # torch.compile the training step (inductor: needs a C++ compiler on CPU, else eager).
+    compile: bool = True
+    # auto = bfloat16 autocast where matrix products run natively in it, else float32.
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
 
     @model_validator(mode="after")
     def _lr_order(self) -> TrainConfig:

@@ -3,7 +3,6 @@ and under torchrun with 2 processes."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import signal
@@ -54,6 +53,46 @@ def test_sigkilled_training_resumes_to_the_same_weights(tokenized_project, tmp_p
         int(r.split(",")[0]) for r in (killed / "artifacts/plots/train_log.csv").read_text().splitlines()[1:]
     ]
     assert steps == [5, 10, 15, 20]
+
+
+def _with(project, compile: bool):
+    """With dropout, so that the masks (drawn from the RNG a checkpoint saves) are part of what resumes."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["model"]["dropout"] = 0.1
+    params["train"]["compile"] = compile
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return project
+
+
+def test_compiled_training_follows_eager_and_resumes_exactly(tokenized_project, tmp_path):
+    eager = _with(_copy(tokenized_project, tmp_path / "eager"), compile=False)
+    run([str(BIN / "lmops"), "train"], eager)
+    straight = _with(_copy(tokenized_project, tmp_path / "straight"), compile=True)
+    out = run([str(BIN / "lmops"), "train"], straight)
+    assert "compiled the training step in" in out.stderr
+    # Same math, other kernels: the compiled run's losses track the eager run's.
+    for (step, a), (_, b) in zip(_val_losses(eager).items(), _val_losses(straight).items(), strict=True):
+        assert b == pytest.approx(a, rel=0.02), step
+
+    killed = _with(_copy(tokenized_project, tmp_path / "killed"), compile=True)
+    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), FAULT_ENV: "15"})
+    assert crash.returncode == -signal.SIGKILL
+    assert (
+        "resuming from artifacts/checkpoints at step 10" in run([str(BIN / "lmops"), "train"], killed).stderr
+    )
+    a, b = _weights(straight), _weights(killed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+    run_id = json.loads((straight / "artifacts/model/lmops.json").read_text())["run_id"]
+    assert _mlflow_run(straight, run_id).data.params["compiled"] == "True"
+
+
+def test_training_without_a_compiler_falls_back_to_eager(tokenized_project, tmp_path):
+    project = _with(_copy(tokenized_project, tmp_path / "p"), compile=True)
+    out = run([str(BIN / "lmops"), "train"], project, env={**env(), "CXX": "/nonexistent/g++"})
+    assert "torch.compile unavailable, training eagerly" in out.stderr and "Traceback" not in out.stderr
+    run_id = json.loads((project / "artifacts/model/lmops.json").read_text())["run_id"]
+    assert _mlflow_run(project, run_id).data.params["compiled"] == "False"
 
 
 def test_changed_params_ignore_an_old_checkpoint(tokenized_project, tmp_path):
@@ -149,12 +188,14 @@ def test_keep_best_exports_the_lowest_validation_loss_and_survives_sigkill(token
     # The exported weights are the best ones: they score the best validation loss again.
     from lmops.config import load_params
     from lmops.model import Llama
-    from lmops.train import estimate_val_loss
+    from lmops.train import autocast, estimate_val_loss, resolve_precision
 
     cfg = load_params(straight / "params.yaml").train
     tokens = np.fromfile(straight / "data/processed/val.bin", dtype=np.uint16)
     exported = Llama.from_pretrained(straight / "artifacts/model")
-    assert estimate_val_loss(exported, tokens, cfg, 64, "cpu", contextlib.nullcontext()) == pytest.approx(
+    cpu = torch.device("cpu")
+    precision = autocast(cpu, resolve_precision(cfg.precision, cpu))  # the training run's
+    assert estimate_val_loss(exported, tokens, cfg, 64, cpu, precision) == pytest.approx(
         val[best_step], abs=1e-5
     )
 
