@@ -8,7 +8,10 @@ Both columns run in this process, on the same prompts, alternating per round (me
 so load from other jobs falls on both alike. Greedy, EOS ignored. Workloads:
   A  1 request, 128-token prompt, 128 new tokens: decode tokens/s and ms per step.
   B  64 requests, prompts 16-512 tokens, 128 new tokens: output tokens/s.
-  P  one 512-token prompt: time to first token (prefill through the int8 kernel).
+  P  one 512-token prompt: time to first token (prefill: the dequantizing GEMM path).
+Before them, a micro-benchmark of one linear per weight shape of the model, float32 against
+each of the int8 linear's two paths (the int8 kernel, the dequantizing GEMM, forced by
+setting `lmops.quantize.GEMM_ROWS`), at 1 to 512 rows: where the crossover lies.
 The quality cost (bits/byte on held-out text) is measured on a trained model by
 benchmarks/quality.py, which reports float32 and int8 side by side.
 """
@@ -16,6 +19,7 @@ benchmarks/quality.py, which reports float32 and int8 side by side.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import random
@@ -25,14 +29,26 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from engine import RESULTS, write_results
 
+import lmops.quantize
 from lmops.engine import LLMEngine, SamplingParams
+from lmops.quantize import Int8Weight
 from lmops.random_model import random_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"n_layer": 8, "n_embd": 512, "n_head": 8, "n_kv_heads": 4, "intermediate_size": 1376}
 TARGETS = {"A": 1.8, "B": 1.3}  # int8 over float32 (issue 14)
+# (out, in) of each linear: fused q/k/v, o, fused gate/up, down, LM head.
+LINEARS = {
+    "qkv": (1024, 512),
+    "o": (512, 512),
+    "gate_up": (2752, 512),
+    "down": (512, 1376),
+    "lm_head": (4096, 512),
+}
+ROWS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 64, 128, 256, 512)
 
 
 def build_model(directory: Path) -> Path:
@@ -43,6 +59,47 @@ def build_model(directory: Path) -> Path:
 
 def greedy(new: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+
+
+def best_ms(fn, *args, seconds: float = 0.05) -> float:
+    """Fastest time of `fn(*args)` over `seconds` (other jobs on the box only add time)."""
+    fn(*args)
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds or len(times) < 3:
+        t = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t)
+    return 1000 * min(times)
+
+
+def linear_table(rows: tuple[int, ...], rounds: int = 4) -> dict:
+    """ms per product for each shape and row count: float32, the int8 kernel, the int8 GEMM,
+    the three alternating for `rounds` rounds (fastest counts), so bursts of load fall on all."""
+    torch.manual_seed(0)
+    table, threshold = {}, lmops.quantize.GEMM_ROWS
+    for name, (n_out, n_in) in LINEARS.items():
+        w = torch.randn(n_out, n_in) * 0.05
+        qw = Int8Weight.from_float(w)
+        for m in rows:
+            x = torch.randn(m, n_in)
+            row = {"float32": math.inf, "int8_kernel": math.inf, "int8_gemm": math.inf}
+            for _ in range(rounds):
+                row["float32"] = min(row["float32"], best_ms(F.linear, x, w))
+                for path, gemm_rows in (("int8_kernel", m + 1), ("int8_gemm", 0)):
+                    lmops.quantize.GEMM_ROWS = gemm_rows
+                    row[path] = min(row[path], best_ms(F.linear, x, qw))
+                lmops.quantize.GEMM_ROWS = threshold
+            table.setdefault(name, {})[m] = row
+    return table
+
+
+def print_linear_table(table: dict) -> None:
+    print("\none linear, ms: float32 / int8 kernel / int8 GEMM", end="")
+    print(f" (int8 takes the GEMM from {lmops.quantize.GEMM_ROWS} rows on)")
+    print("rows " + "".join(f"{name:>22s}" for name in table))
+    for m in next(iter(table.values())):
+        cells = ("/".join(f"{v:.3g}" for v in table[name][m].values()) for name in table)
+        print(f"{m:4d} " + "".join(f"{c:>22s}" for c in cells))
 
 
 def run_round(engine: LLMEngine, prompts: dict, new: int) -> dict:
@@ -62,16 +119,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="16 requests in B, 32 new tokens, 1 round")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="alternating rounds, medians (default: %(default)s)"
+    )
     ap.add_argument("--out", type=Path, help="JSON path (default results/quantize-cpu[-quick].json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     new, n_b, rounds = (32, 16, 1) if args.quick else (128, 64, args.rounds)
+    linears = linear_table(ROWS[::3] if args.quick else ROWS)
+    print_linear_table(linears)
     rng = random.Random(2)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp))
+        # No prefix cache: every round re-sends the same prompts, which would otherwise be
+        # prefilled only in the first (B and P then measured decode and a cache hit).
         engines = {
-            q: LLMEngine.from_pretrained(model_dir, device="cpu", quantization=q) for q in (None, "int8")
+            q: LLMEngine.from_pretrained(model_dir, device="cpu", quantization=q, enable_prefix_caching=False)
+            for q in (None, "int8")
         }
     V = engines[None].config.vocab_size
     prompts = {
@@ -119,6 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
         "int8": med["int8"],
         "int8_over_float32": ratios,
         "targets": TARGETS,
+        "linear_ms": linears,
+        "gemm_rows": lmops.quantize.GEMM_ROWS,
         "rounds_raw": {("int8" if q else "float32"): rs for q, rs in rows.items()},
         "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "cpu": platform.processor() or platform.machine(),

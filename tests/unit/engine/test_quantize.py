@@ -5,20 +5,25 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import lmops.quantize
 from lmops.engine import LLMEngine, SamplingParams
 from lmops.engine.config import EngineConfig
 from lmops.errors import LmopsError
 from lmops.model import Llama
-from lmops.quantize import Int8Linear, Int8Weight, quantize
+from lmops.quantize import GEMM_ROWS, Int8Linear, Int8Weight, quantize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.mark.parametrize("width", [64, 60])  # the CPU int8 kernel, and the dequantizing fallback
-def test_int8_linear_is_close_to_float(width):
+# Width 64 takes the CPU int8 kernel below GEMM_ROWS rows and the dequantizing GEMM from
+# there on; width 60 (not a multiple of 16) the dequantizing GEMM at any row count.
+@pytest.mark.parametrize("rows", [1, GEMM_ROWS - 1, GEMM_ROWS, 4 * GEMM_ROWS])
+@pytest.mark.parametrize("width", [64, 60])
+def test_int8_linear_is_close_to_float(width, rows):
     torch.manual_seed(0)
-    w, x = torch.randn(96, width) * 0.05, torch.randn(3, 5, width)
+    w, x = torch.randn(96, width) * 0.05, torch.randn(rows, 1, width)
     qw = Int8Weight.from_float(w)
     assert qw.q.dtype == torch.int8 and qw.scale.shape == (96,)
     dequant = qw.q.float() * qw.scale.float()[:, None]
@@ -29,6 +34,30 @@ def test_int8_linear_is_close_to_float(width):
     assert (y - ref).norm() / ref.norm() < 0.01
 
 
+class _AtenOps(TorchDispatchMode):
+    """Records the ATen ops that run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("rows", "kernel"), [(1, True), (GEMM_ROWS - 1, True), (GEMM_ROWS, False)])
+def test_int8_linear_takes_the_kernel_below_gemm_rows_and_a_gemm_from_there(rows, kernel):
+    """The int8 kernel is a matrix-vector one (slower than float32 at many rows, see
+    lmops.quantize): few rows go through it, more rows through one dequantized GEMM."""
+    torch.manual_seed(0)
+    qw, x = Int8Weight.from_float(torch.randn(32, 64)), torch.randn(rows, 64)
+    with _AtenOps() as seen:
+        F.linear(x, qw)
+    assert ("_weight_int8pack_mm" in seen.ops) is kernel
+    assert ("mm" in seen.ops) is not kernel
+
+
 def test_quantize_replaces_every_linear_and_keeps_the_embedding(model_dir):
     model = quantize(Llama.from_pretrained(model_dir, "cpu", torch.float32), "int8")
     assert not [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -37,11 +66,15 @@ def test_quantize_replaces_every_linear_and_keeps_the_embedding(model_dir):
         quantize(model, "int4")
 
 
+@pytest.mark.parametrize("gemm_rows", [10**9, 0], ids=["kernel", "gemm"])
 def test_int8_engine_matches_full_recompute_of_the_int8_model(
-    model_dir, ref_model, prompts, greedy_reference, all_blocks_free
+    model_dir, ref_model, prompts, greedy_reference, all_blocks_free, monkeypatch, gemm_rows
 ):
     """The engine's fused, paged path over int8 weights computes what the int8 model does,
-    and greedy decoding stays close to the float model's (a sanity bound, not parity)."""
+    and greedy decoding stays close to the float model's (a sanity bound, not parity).
+    One product path per run: the kernel and the GEMM round differently, and a full
+    recompute's row count crosses GEMM_ROWS where the engine's decode steps do not."""
+    monkeypatch.setattr(lmops.quantize, "GEMM_ROWS", gemm_rows)
     int8_ref = quantize(Llama.from_pretrained(model_dir, "cpu", torch.float32), "int8")
     engine = LLMEngine.from_pretrained(model_dir, device="cpu", block_size=16, quantization="int8")
     assert isinstance(engine.model.lm_head, Int8Linear)
