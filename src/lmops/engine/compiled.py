@@ -187,12 +187,12 @@ class CompiledDecode:
 
 def _structure_key(forward: FusedForward, pool: KVPool) -> str:
     """What a saved graph depends on, since no guard checks it at run time: torch and
-    Python, the CPU it was compiled for, the lmops source it was traced from, the model
-    config (its sizes and eps are constants in the graph), and the kind, shape, dtype and
-    strides of every tensor the graph reads (weights after fusing and quantizing, RoPE
-    tables, the KV pool). Not the weights' values, which each call reads afresh. (The
-    pool's size is in it too: where free memory sizes the pool, a restart may miss the
-    cache and compile again.)"""
+    Python, the CPU and thread count it was compiled for, the lmops source it was traced
+    from, the model config (its sizes and eps are constants in the graph), and the kind,
+    shape, dtype and strides of every tensor the graph reads (weights after fusing and
+    quantizing, RoPE tables, the KV pool). Not the weights' values, which each call reads
+    afresh. (The pool's size is in it too: where free memory sizes the pool, a restart
+    may miss the cache and compile again.)"""
     h = hashlib.sha256(f"{torch.__version__} {sys.version} {forward.model.config!r}".encode())
     h.update(_cpu_signature().encode())
     for f in sorted(Path(lmops.__file__).parent.rglob("*.py")):
@@ -214,10 +214,12 @@ def _describe(x) -> str:
 def _cpu_signature() -> str:
     """The instruction sets the generated code may use: inductor compiles for its chosen
     vector ISA and with -march=native, so a graph cached on one CPU (a shared cache
-    volume) could crash another with an illegal instruction."""
+    volume) could crash another with an illegal instruction. And the thread count, which
+    inductor writes into the generated OpenMP loops."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.utils import parallel_num_threads
 
     info = Path("/proc/cpuinfo")
     lines = info.read_text().splitlines() if info.is_file() else []
     keep = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    return f"{platform.machine()} {pick_vec_isa()} {keep}"
+    return f"{platform.machine()} {pick_vec_isa()} {keep} threads={parallel_num_threads()}"

@@ -134,9 +134,16 @@ def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp
 
 def test_cache_key_follows_the_graphs_structure(model_dir):
     """Saved graphs run unguarded, so anything traced into them must change the key:
-    quantized weights, another KV block size."""
+    quantized weights, another KV block size, another thread count (inductor writes it
+    into the generated loops)."""
     keys = set()
     for overrides in ({}, {"quantization": "int8"}, {"block_size": 8}):
         engine = LLMEngine.from_pretrained(model_dir, device="cpu", compile=False, **overrides)
         keys.add(compiled_module._structure_key(engine.runner.forward, engine.pool))
-    assert len(keys) == 3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        keys.add(compiled_module._structure_key(engine.runner.forward, engine.pool))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(keys) == 4
