@@ -15,7 +15,7 @@ together are that last 10%, less any held-out paragraph that repeats one of
 training word for word, which the split drops as leakage (here one: a bare
 "PETRUCHIO:", 12 bytes).
 
-    python benchmarks/quality.py [--max-steps N] [--out benchmarks/results/quality-cpu.json]
+    python benchmarks/quality.py [--max-steps N] [--threads N] [--out benchmarks/results/quality-cpu.json]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ NANOGPT = {
 TARGET_BITS_PER_BYTE, TARGET_TRAIN_SECONDS = 2.12, 600
 
 
-def params(max_steps: int) -> dict:
+def params(max_steps: int, threads: int = 0) -> dict:
     base = yaml.safe_load((REPO / "params.yaml").read_text())
     base["data"].update(source=str(CORPUS), max_bytes=None, sha256=None)
     base["split"].update(method="tail", val_fraction=0.05, test_fraction=0.05)
@@ -54,6 +54,7 @@ def params(max_steps: int) -> dict:
     )
     base["train"].update(
         max_steps=max_steps,
+        threads=threads,
         batch_size=16,
         learning_rate=2.0e-3,
         min_lr=2.0e-4,
@@ -69,6 +70,7 @@ def params(max_steps: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=800)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads, 0 = torch's default")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/quality-cpu.json")
     args = parser.parse_args()
     if not CORPUS.is_file():
@@ -79,7 +81,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="lmops-quality-"))
     try:
         shutil.copy(REPO / "dvc.yaml", work)
-        (work / "params.yaml").write_text(yaml.safe_dump(params(args.max_steps), sort_keys=False))
+        (work / "params.yaml").write_text(yaml.safe_dump(params(args.max_steps, args.threads), sort_keys=False))
         lmops = str(Path(sys.executable).parent / "lmops")
         timings = {}
         for stage in ("get_data", "split", "tokenize", "train"):
@@ -136,7 +138,7 @@ def main() -> int:
         "heldout_duplicates_dropped": report["duplicates_dropped"],
         "stage_seconds": timings,
         "max_steps": args.max_steps,
-        "params": {k: params(args.max_steps)[k] for k in ("tokenizer", "model", "train")},
+        "params": {k: params(args.max_steps, args.threads)[k] for k in ("tokenizer", "model", "train")},
         "baselines_bits_per_byte": NANOGPT,
         "target_met": met,
         "exported_step": state["best_step"] if state["best_step"] is not None else state["step"],

@@ -12,6 +12,7 @@ contiguous `KVCache` below for `generate`, the paged cache of the engine).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -99,16 +100,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
 ) -> torch.Tensor:
-    """Plain causal self-attention over whole sequences; (B, T, H, D) in and out."""
-    y = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        dropout_p=dropout_p,
-        is_causal=True,
-        enable_gqa=True,
-    )
-    return y.transpose(1, 2)
+    """Plain causal self-attention over whole sequences; (B, T, H, D) in and out.
+
+    On CPU it runs in float32 even under bfloat16 autocast: torch's CPU flash-attention
+    kernel takes 1.4x as long in bfloat16, forward and backward (benchmarks/README.md).
+    """
+    dtype, cpu = q.dtype, q.device.type == "cpu"
+    with torch.autocast("cpu", enabled=False) if cpu else contextlib.nullcontext():
+        y = F.scaled_dot_product_attention(
+            *(t.transpose(1, 2).float() if cpu else t.transpose(1, 2) for t in (q, k, v)),
+            dropout_p=dropout_p,
+            is_causal=True,
+            enable_gqa=True,
+        )
+    return y.transpose(1, 2).to(dtype)
 
 
 class Attention(nn.Module):
