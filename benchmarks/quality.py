@@ -81,7 +81,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="lmops-quality-"))
     try:
         shutil.copy(REPO / "dvc.yaml", work)
-        (work / "params.yaml").write_text(yaml.safe_dump(params(args.max_steps, args.threads), sort_keys=False))
+        (work / "params.yaml").write_text(
+            yaml.safe_dump(params(args.max_steps, args.threads), sort_keys=False)
+        )
         lmops = str(Path(sys.executable).parent / "lmops")
         timings = {}
         for stage in ("get_data", "split", "tokenize", "train"):
