@@ -50,7 +50,14 @@ def params(max_steps: int, threads: int = 0) -> dict:
     base["split"].update(method="tail", val_fraction=0.05, test_fraction=0.05)
     base["tokenizer"].update(vocab_size=1024)
     base["model"].update(
-        n_layer=4, n_head=6, n_kv_heads=2, n_embd=192, intermediate_size=512, max_seq_len=256, dropout=0.2
+        n_layer=4,
+        n_head=6,
+        n_kv_heads=2,
+        n_embd=192,
+        intermediate_size=512,
+        max_seq_len=256,
+        dropout=0.2,
+        attention_dropout=0.0,
     )
     base["train"].update(
         max_steps=max_steps,
@@ -69,7 +76,7 @@ def params(max_steps: int, threads: int = 0) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-steps", type=int, default=800)
+    parser.add_argument("--max-steps", type=int, default=1700)
     parser.add_argument("--threads", type=int, default=0, help="torch threads, 0 = torch's default")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/quality-cpu.json")
     args = parser.parse_args()

@@ -124,7 +124,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
-        self.dropout = cfg.dropout
+        self.dropout, self.attention_dropout = cfg.dropout, cfg.attention_dropout_p
 
     def forward(self, x, cos, sin, cache: AttentionCache | None):
         B, T, _ = x.shape
@@ -132,7 +132,7 @@ class Attention(nn.Module):
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
         if cache is None:
-            y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
+            y = causal_attention(q, k, v, self.attention_dropout if self.training else 0.0)
         else:
             y = cache.attend(self.layer, q, k, v)
         return F.dropout(self.o_proj(y.reshape(B, T, -1)), self.dropout, self.training)

@@ -138,3 +138,26 @@ def test_dropout_is_active_in_training_only_and_absent_from_the_export(tmp_path)
     assert hf.config.attention_dropout == 0.5
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, plain(x)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_attention_dropout_follows_dropout_unless_set_apart():
+    """`attention_dropout` None = `dropout`; set, it alone decides the attention weights' dropout."""
+    assert CFG.model_copy(update={"dropout": 0.2}).attention_dropout_p == 0.2
+    residual_only = CFG.model_copy(update={"dropout": 0.2, "attention_dropout": 0.0})
+    assert residual_only.attention_dropout_p == 0.0 and residual_only.to_hf()["attention_dropout"] == 0.0
+
+    def first_attention_twice(**update) -> list[torch.Tensor]:
+        """Layer 0's attention output (o_proj's input: no residual dropout before it), two calls."""
+        model = Llama(CFG.model_copy(update=update)).train()
+        seen = []
+        model.model.layers[0].self_attn.o_proj.register_forward_hook(
+            lambda m, args, out: seen.append(args[0])
+        )
+        x = torch.randint(0, 64, (2, 8))
+        model(x), model(x)
+        return seen
+
+    a, b = first_attention_twice(attention_dropout=0.5)  # residual dropout 0
+    assert not torch.equal(a, b)  # a new mask each call
+    a, b = first_attention_twice(dropout=0.5, attention_dropout=0.0)
+    assert torch.equal(a, b)
