@@ -56,7 +56,7 @@ def params(max_steps: int, threads: int = 0) -> dict:
         n_embd=192,
         intermediate_size=512,
         max_seq_len=256,
-        dropout=0.3,
+        dropout=0.2,
         attention_dropout=0.0,
     )
     base["train"].update(
