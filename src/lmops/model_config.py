@@ -30,7 +30,7 @@ class LlamaShape(BaseModel):
     # Training-only regularisation, off in eval and export: `dropout` on both residual
     # branches, `attention_dropout` on the attention weights (None = `dropout`). On CPU the
     # attention weights' mask (batch x heads x context^2 random draws per layer) costs about
-    # as much as the rest of a step; the residual one about 15% (benchmarks/README.md).
+    # as much as the rest of a step; the residual one 15-20% (benchmarks/README.md).
     dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     attention_dropout: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
 
