@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmops.model import bf16_native
+
 METHODS = ("int8",)
 # _weight_int8pack_mm reads the input width in 16-element vectors (other widths crash it).
 _KERNEL_ALIGN = 16
@@ -41,8 +43,8 @@ _KERNEL_ALIGN = 16
 # (0.70 vs 0.80 ms at 16, 1.01 vs 0.91 at 24), so the threshold sits between. From 64
 # rows on the kernel is slower than float32 and the GEMM 1.4-2x faster than float32.
 GEMM_ROWS = 16
-# Whether the CPU's bfloat16 matmul is native (avx512_bf16/AMX); if not, dequantize to float32.
-_CPU_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+# Whether the CPU's bfloat16 matmul is native; if not, dequantize to float32.
+_CPU_BF16 = bf16_native(torch.device("cpu"))
 
 
 def check_method(method: str | None) -> None:

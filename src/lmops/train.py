@@ -38,7 +38,7 @@ from lmops import atomic, tracking
 from lmops.checkpoint import fingerprint, load_checkpoint, load_weights, save_checkpoint, weights_of
 from lmops.config import Params, TrainConfig
 from lmops.errors import LmopsError
-from lmops.model import MODEL_FILES, Llama, LlamaConfig, resolve_device
+from lmops.model import MODEL_FILES, Llama, LlamaConfig, bf16_native, resolve_device
 from lmops.paths import CHECKPOINT_DIR, MANIFEST_FILE, MODEL_DIR, PROCESSED_DIR, TOKENIZER_DIR, TRAIN_LOG_FILE
 from lmops.tokenize import read_tokens
 
@@ -90,14 +90,10 @@ def batch(
 
 def resolve_precision(name: str, device: torch.device) -> torch.dtype:
     """The autocast dtype of the matrix products. `auto` picks bfloat16 where they run
-    natively in it (CUDA; CPUs with AVX512-BF16 or AMX, where oneDNN's bf16 GEMM is about
-    twice float32's), else float32. Weights, optimizer state and the loss stay float32."""
+    natively in it (`bf16_native`), else float32. Weights, optimizer state and the loss
+    stay float32."""
     if name == "auto":
-        if device.type == "cuda":
-            native = torch.cuda.is_bf16_supported()
-        else:
-            native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return torch.bfloat16 if native else torch.float32
+        return torch.bfloat16 if bf16_native(device) else torch.float32
     return getattr(torch, name)
 
 
