@@ -90,6 +90,13 @@ class TrainConfig(_Section):
     learning_rate: Annotated[float, Field(gt=0)] = 3e-3
     min_lr: Annotated[float, Field(ge=0)] = 3e-4
     warmup_steps: Annotated[int, Field(ge=0)] = 40
+    # After warmup: cosine decay to min_lr at max_steps, or (plateau) learning_rate times
+    # lr_plateau_factor after every lr_plateau_patience evaluations without a lower validation
+    # loss, down to min_lr. Under plateau nothing depends on max_steps, so a longer run passes
+    # through every state of a shorter one and, with keep_best, is never worse.
+    lr_schedule: Literal["cosine", "plateau"] = "cosine"
+    lr_plateau_patience: PositiveInt = 1
+    lr_plateau_factor: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5
     weight_decay: Annotated[float, Field(ge=0)] = 0.1
     beta1: Fraction = 0.9
     beta2: Fraction = 0.95

@@ -1,4 +1,4 @@
-"""Training loop: AdamW, warmup + cosine LR, grad accumulation and clipping,
+"""Training loop: AdamW, warmup then cosine or plateau LR, grad accumulation and clipping,
 bf16 autocast where the hardware has it, a compiled step, DDP under torchrun,
 checkpoints and exact resume.
 
@@ -68,12 +68,19 @@ def setup_distributed(device: torch.device) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size())
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to learning_rate, then cosine decay to min_lr at max_steps."""
+def lr_at(step: int, cfg: TrainConfig, plateau_decays: int = 0) -> float:
+    """Linear warmup to learning_rate; then cosine decay to min_lr at max_steps, or (plateau)
+    learning_rate * lr_plateau_factor ** plateau_decays, down to min_lr."""
     if step < cfg.warmup_steps:
         return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "plateau":
+        return plateau_lr(cfg, plateau_decays)
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.learning_rate - cfg.min_lr)
+
+
+def plateau_lr(cfg: TrainConfig, decays: int) -> float:
+    return max(cfg.min_lr, cfg.learning_rate * cfg.lr_plateau_factor**decays)
 
 
 def batch(
@@ -176,6 +183,8 @@ class Progress:
     best_step: int | None = None
     best_val_loss: float | None = None
     evals_since_best: int = 0
+    plateau_decays: int = 0  # learning-rate cuts so far (lr_schedule: plateau)
+    evals_since_plateau: int = 0  # evaluations without improvement since the best or the last cut
     stop_reason: str | None = None
 
     def record_eval(self, step: int, val_loss: float) -> bool:
@@ -188,6 +197,15 @@ class Progress:
 
     def patience_exhausted(self, patience: int | None) -> bool:
         return patience is not None and self.evals_since_best >= patience
+
+    def record_plateau(self, improved: bool, cfg: TrainConfig) -> bool:
+        """After an evaluation: True when the plateau schedule cuts the learning rate now."""
+        self.evals_since_plateau = 0 if improved else self.evals_since_plateau + 1
+        floored = plateau_lr(cfg, self.plateau_decays) <= cfg.min_lr
+        if self.evals_since_plateau < cfg.lr_plateau_patience or floored:
+            return False
+        self.plateau_decays, self.evals_since_plateau = self.plateau_decays + 1, 0
+        return True
 
 
 @dataclass
@@ -339,7 +357,7 @@ def _loop(run: Run) -> None:
     )
     t_last, tokens_last = time.perf_counter(), progress.tokens
     for step in bar:
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg, progress.plateau_decays)
         train_loss = _train_step(run, step, lr)
         progress.tokens += tokens_per_step
         progress.step = done = step + 1
@@ -412,8 +430,15 @@ def _evaluate(run: Run, row: dict) -> None:
         val_loss = t.item() / run.ddp.world
     row["val_loss"] = val_loss
     log.info("step %d: train %.4f val %.4f", row["step"], row["train_loss"], val_loss)
-    if progress.record_eval(row["step"], val_loss) and cfg.keep_best and run.ddp.main:
+    improved = progress.record_eval(row["step"], val_loss)
+    if improved and cfg.keep_best and run.ddp.main:
         run.best = weights_of(run.model)
+    if cfg.lr_schedule == "plateau" and progress.record_plateau(improved, cfg):
+        log.info(
+            "plateau: validation loss did not improve for %d evaluations; learning rate now %.3g",
+            cfg.lr_plateau_patience,
+            plateau_lr(cfg, progress.plateau_decays),
+        )
     if progress.patience_exhausted(cfg.early_stopping_patience):
         progress.stop_reason = (
             f"early stopping at step {row['step']}: validation loss did not improve for "

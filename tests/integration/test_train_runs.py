@@ -151,12 +151,14 @@ def _overfitting_project(tokenized_project, dst, train_overrides):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["model"]["dropout"] = 0.1
     params["train"].update(
-        max_steps=30,
-        learning_rate=1.0e-2,  # val is lowest near step 8, then rises for good
-        eval_interval=2,
-        checkpoint_interval=10,
-        log_interval=2,
-        **train_overrides,
+        {
+            "max_steps": 30,
+            "learning_rate": 1.0e-2,  # val is lowest near step 8, then rises for good
+            "eval_interval": 2,
+            "checkpoint_interval": 10,
+            "log_interval": 2,
+            **train_overrides,
+        }
     )
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return project
@@ -228,3 +230,40 @@ def test_early_stopping_stops_and_says_why(tokenized_project, tmp_path):
     again = run([str(BIN / "lmops"), "train"], project)
     assert f"resuming from artifacts/checkpoints at step {last_step}" in again.stderr
     assert max(_val_losses(project)) == last_step
+
+
+def _history(project, keys=("step", "tokens", "train_loss", "val_loss", "lr")):
+    """The run's logged rows without their timings (which differ between runs)."""
+    state = json.loads((project / "artifacts/checkpoints/state.json").read_text())
+    return [{k: row.get(k) for k in keys} for row in state["history"]]
+
+
+def test_a_longer_plateau_run_is_the_shorter_one_continued(tokenized_project, tmp_path):
+    """Under lr_schedule: plateau nothing depends on max_steps, so a run twice as long passes
+    through every state of the shorter one and, keeping the best, cannot export a worse model."""
+    plateau = {"lr_schedule": "plateau", "lr_plateau_patience": 1}
+    short = _overfitting_project(tokenized_project, tmp_path / "short", {**plateau, "max_steps": 14})
+    out = run([str(BIN / "lmops"), "train"], short)
+    assert "plateau: validation loss did not improve for 1 evaluations; learning rate now 0.005" in out.stderr
+    longer = _overfitting_project(tokenized_project, tmp_path / "longer", {**plateau, "max_steps": 28})
+    run([str(BIN / "lmops"), "train"], longer)
+
+    short_rows, longer_rows = _history(short), _history(longer)
+    assert longer_rows[: len(short_rows)] == short_rows
+    lrs = [r["lr"] for r in longer_rows if r["step"] > 4]  # after warmup
+    assert lrs[0] == 1.0e-2 and lrs[-1] < lrs[0] / 8, lrs  # validation stalled: cut again and again
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    short_meta, longer_meta = (json.loads((p / "artifacts/model/lmops.json").read_text()) for p in (short, longer))
+    assert longer_meta["metrics"]["val_loss"] <= short_meta["metrics"]["val_loss"]
+
+    # Killed after cuts and a checkpoint: the resumed run makes the same cuts, ends the same.
+    killed = _overfitting_project(tokenized_project, tmp_path / "killed", {**plateau, "max_steps": 28})
+    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), FAULT_ENV: "25"})
+    assert crash.returncode == -signal.SIGKILL
+    assert (
+        "resuming from artifacts/checkpoints at step 20" in run([str(BIN / "lmops"), "train"], killed).stderr
+    )
+    assert _history(killed) == longer_rows
+    a, b = _weights(longer), _weights(killed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)

@@ -24,6 +24,28 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     assert lr_at(55, cfg) == pytest.approx(0.55)
 
 
+def test_plateau_schedule_cuts_the_rate_when_validation_stalls_down_to_min_lr():
+    cfg = TrainConfig(
+        lr_schedule="plateau",
+        max_steps=100,
+        warmup_steps=10,
+        learning_rate=1.0,
+        min_lr=0.2,
+        lr_plateau_patience=2,
+        lr_plateau_factor=0.5,
+    )
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(10, cfg) == lr_at(10_000, cfg) == 1.0
+    p = Progress()
+    vals = (3.0, 2.0, 2.1, 2.2, 1.9, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0)
+    cuts = [p.record_plateau(p.record_eval(i, v), cfg) for i, v in enumerate(vals)]
+    # Two evaluations without a new best cut the rate; a new best restarts the count; none below min_lr.
+    assert cuts == [False, False, False, True, False, False, True, False, True, False, False, False]
+    assert p.plateau_decays == 3 and lr_at(50, cfg, p.plateau_decays) == 0.2
+    assert lr_at(50, cfg, 2) == 0.25
+    cosine = TrainConfig(max_steps=100, warmup_steps=10)
+    assert lr_at(50, cosine, 3) == lr_at(50, cosine)  # cuts are the plateau schedule's alone
+
+
 def test_batches_depend_only_on_their_seed():
     tokens = np.arange(1000, dtype=np.uint16)
     x1, y1 = batch(tokens, 8, 4, (1, 5, 0, 0), "cpu")
