@@ -253,7 +253,9 @@ def test_a_longer_plateau_run_is_the_shorter_one_continued(tokenized_project, tm
     lrs = [r["lr"] for r in longer_rows if r["step"] > 4]  # after warmup
     assert lrs[0] == 1.0e-2 and lrs[-1] < lrs[0] / 8, lrs  # validation stalled: cut again and again
     assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
-    short_meta, longer_meta = (json.loads((p / "artifacts/model/lmops.json").read_text()) for p in (short, longer))
+    short_meta, longer_meta = (
+        json.loads((p / "artifacts/model/lmops.json").read_text()) for p in (short, longer)
+    )
     assert longer_meta["metrics"]["val_loss"] <= short_meta["metrics"]["val_loss"]
 
     # Killed after cuts and a checkpoint: the resumed run makes the same cuts, ends the same.
