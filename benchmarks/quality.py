@@ -79,7 +79,7 @@ def params(max_steps: int, threads: int = 0) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-steps", type=int, default=1700)
+    parser.add_argument("--max-steps", type=int, default=1600)
     parser.add_argument("--threads", type=int, default=0, help="torch threads, 0 = torch's default")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/quality-cpu.json")
     args = parser.parse_args()

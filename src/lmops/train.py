@@ -5,7 +5,9 @@ checkpoints and exact resume.
 Determinism is by construction: the batch of (step, micro-step, rank) is drawn
 from an RNG seeded with exactly those numbers, so "data position" is just the
 step counter, and a run killed at any point and resumed from its last
-checkpoint replays the same batches and ends with the same weights.
+checkpoint replays the same batches and ends with the same weights (bit for bit
+on CPU, where torch's deterministic mode is on; on CUDA to rounding, since its
+attention backward and cuBLAS accumulate in no fixed order).
 
 The exported model is the best one seen, not the last (`train.keep_best`): the
 lowest validation loss at any evaluation, whose weights ride along in every
@@ -57,6 +59,15 @@ class Dist:
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+
+def deterministic_kernels(device: torch.device) -> None:
+    """On CPU, torch's deterministic mode. The compiled step's embedding backward is a
+    scatter-add that inductor writes with atomics across threads, so two runs differ in
+    the last bits and drift apart; in deterministic mode inductor calls ATen's ordered
+    kernel instead (no measurable cost on CPU), which makes resume, and a longer run, exact."""
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True)
 
 
 def setup_distributed(device: torch.device) -> Dist:
@@ -240,6 +251,7 @@ def train(
     device = resolve_device(params.train.device)
     if params.train.threads:
         torch.set_num_threads(params.train.threads)
+    deterministic_kernels(device)
     ddp = setup_distributed(device)
     try:
         run = _setup(params, device, ddp, data_dir, ckpt_dir)
