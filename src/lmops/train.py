@@ -151,16 +151,27 @@ def make_optimizer(model: Llama, cfg: TrainConfig, device: torch.device) -> torc
 
 
 @torch.no_grad()
-def estimate_val_loss(model, tokens, cfg: TrainConfig, block: int, device, autocast) -> float:
-    """Mean loss on a fixed set of validation windows (the same ones every time)."""
+def estimate_val_loss(model, tokens: np.ndarray, cfg: TrainConfig, block: int, device) -> float:
+    """Mean next-token loss over non-overlapping windows spread evenly across the validation
+    split (all of it when eval_batches x batch_size windows cover it), the same windows every
+    time, in float32: keep_best selects on the numbers the exported model is scored with."""
+    available = (len(tokens) - 1) // block
+    if available < 1:
+        raise LmopsError(
+            f"val split has {len(tokens)} tokens, fewer than model.max_seq_len + 1 = {block + 1}"
+        )
+    n_windows = min(available, cfg.eval_batches * cfg.batch_size)
+    starts = np.linspace(0, available - 1, n_windows).round().astype(np.int64) * block
     model.eval()
-    losses = []
-    for i in range(cfg.eval_batches):
-        x, y = batch(tokens, block, cfg.batch_size, (cfg.seed, 2**31 - 1, i), device)
-        with autocast:
-            losses.append(model(x, y)[1].item())
+    loss_sum = 0.0
+    for first in range(0, n_windows, cfg.batch_size):
+        rows = np.stack(
+            [tokens[s : s + block + 1].astype(np.int64) for s in starts[first : first + cfg.batch_size]]
+        )
+        xy = torch.from_numpy(rows).to(device)
+        loss_sum += model(xy[:, :-1], xy[:, 1:])[1].item() * len(rows)
     model.train()
-    return float(np.mean(losses))
+    return loss_sum / n_windows
 
 
 def write_log(rows: list[dict], path: Path = TRAIN_LOG_FILE) -> None:
@@ -433,9 +444,7 @@ def _train_step(run: Run, step: int, lr: float) -> float:
 def _evaluate(run: Run, row: dict) -> None:
     """Validation loss into `row`; track the best weights and decide on early stopping."""
     cfg, progress = run.cfg, run.progress
-    val_loss = estimate_val_loss(
-        run.model, run.val_tokens, cfg, run.params.model.max_seq_len, run.device, run.autocast
-    )
+    val_loss = estimate_val_loss(run.model, run.val_tokens, cfg, run.params.model.max_seq_len, run.device)
     if run.ddp.world > 1:  # every rank must take the same early-stopping decision
         t = torch.tensor(val_loss, dtype=torch.float64, device=run.device)
         dist.all_reduce(t)

@@ -8,7 +8,15 @@ from lmops.checkpoint import load_checkpoint, save_checkpoint, weights_of
 from lmops.config import TrainConfig
 from lmops.errors import LmopsError
 from lmops.model import Llama, LlamaConfig
-from lmops.train import Progress, batch, deterministic_kernels, lr_at, make_optimizer, measure_peak_flops
+from lmops.train import (
+    Progress,
+    batch,
+    deterministic_kernels,
+    estimate_val_loss,
+    lr_at,
+    make_optimizer,
+    measure_peak_flops,
+)
 
 CFG = LlamaConfig(
     vocab_size=64, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, max_seq_len=8
@@ -55,6 +63,22 @@ def test_batches_depend_only_on_their_seed():
     assert torch.equal(y1, x1 + 1)
     with pytest.raises(LmopsError, match="fewer than model.max_seq_len"):
         batch(tokens[:9], 8, 4, (0,), "cpu")
+
+
+def test_validation_scores_the_whole_split_when_it_fits_else_evenly_spread_windows():
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    tokens = np.random.default_rng(0).integers(0, 64, 10 * 8 + 5).astype(np.uint16)
+    windows = torch.from_numpy(np.stack([tokens[i * 8 : i * 8 + 9].astype(np.int64) for i in range(10)]))
+    with torch.no_grad():
+        per_window = [model(w[None, :-1], w[None, 1:])[1].item() for w in windows]
+    whole = estimate_val_loss(model, tokens, TrainConfig(eval_batches=3, batch_size=4), 8, "cpu")
+    assert whole == pytest.approx(np.mean(per_window), rel=1e-5)  # 10 windows, 12 allowed: all
+    spread = estimate_val_loss(model, tokens, TrainConfig(eval_batches=1, batch_size=4), 8, "cpu")
+    assert spread == pytest.approx(np.mean([per_window[i] for i in (0, 3, 6, 9)]), rel=1e-5)
+    assert model.training  # back in training mode
+    with pytest.raises(LmopsError, match="val split has 8 tokens, fewer than model.max_seq_len"):
+        estimate_val_loss(model, tokens[:8], TrainConfig(), 8, "cpu")
 
 
 def _trained_pair(tmp_path):
