@@ -84,7 +84,7 @@ class ModelConfig(LlamaShape, _Section):
 class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 1337
-    max_steps: PositiveInt = 800
+    max_steps: PositiveInt = 900
     batch_size: PositiveInt = 16
     grad_accum_steps: PositiveInt = 1
     learning_rate: Annotated[float, Field(gt=0)] = 3e-3
