@@ -267,7 +267,13 @@ def train(
     try:
         run = _setup(params, device, ddp, data_dir, ckpt_dir)
         _loop(run)
-        return _finish(run, out_dir) if ddp.main else {}
+        result = _finish(run, out_dir) if ddp.main else {}
+        if ddp.world > 1:
+            # Gloo's worker threads need the GIL to release the last collective's tensors,
+            # and the process group's destructor joins them while holding it (pytorch#56297):
+            # a rank that tears down at once can hang. Wait for every rank, GIL released.
+            dist.barrier()
+        return result
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
