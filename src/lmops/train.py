@@ -91,6 +91,7 @@ def lr_at(step: int, cfg: TrainConfig, plateau_decays: int = 0) -> float:
 
 
 def plateau_lr(cfg: TrainConfig, decays: int) -> float:
+    """The plateau schedule's rate after `decays` cuts."""
     return max(cfg.min_lr, cfg.learning_rate * cfg.lr_plateau_factor**decays)
 
 
@@ -448,7 +449,8 @@ def _train_step(run: Run, step: int, lr: float) -> float:
 
 
 def _evaluate(run: Run, row: dict) -> None:
-    """Validation loss into `row`; track the best weights and decide on early stopping."""
+    """Validation loss into `row`; track the best weights, cut the plateau learning rate,
+    and decide on early stopping."""
     cfg, progress = run.cfg, run.progress
     val_loss = estimate_val_loss(run.model, run.val_tokens, cfg, run.params.model.max_seq_len, run.device)
     if run.ddp.world > 1:  # every rank must take the same early-stopping decision
