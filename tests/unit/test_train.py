@@ -229,9 +229,11 @@ def _compiled_embedding_grads(steps: int) -> list[torch.Tensor]:
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="the atomics race only across threads")
 def test_compiled_training_steps_are_bitwise_reproducible_on_cpu():
     try:
-        racy = _compiled_embedding_grads(6)
-        # The fixture can fail: without deterministic mode the same step gives other bits.
-        assert not all(torch.equal(racy[0], g) for g in racy[1:])
+        racy = _compiled_embedding_grads(12)
+        # The fixture can fail: without deterministic mode the same step gives other bits. On a
+        # loaded box the two threads may not overlap at all (then the sums agree): nothing to prove.
+        if all(torch.equal(racy[0], g) for g in racy[1:]):
+            pytest.skip("the atomics did not race on this run (threads did not overlap)")
         deterministic_kernels(torch.device("cpu"))
         exact = _compiled_embedding_grads(6)
         assert all(torch.equal(exact[0], g) for g in exact[1:])
