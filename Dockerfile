@@ -1,11 +1,16 @@
-# lmops inference image: gunicorn serving the promoted model on port 5001.
+# lmops images, two targets from one file:
 #
-#   CPU (default):  docker build -t lmops:dev .
-#   NVIDIA GPU:     docker build --build-arg VARIANT=cuda -t lmops:dev-cuda .
+#   runtime (default): gunicorn serving the promoted model on port 5001
+#     CPU:         docker build -t lmops:dev .
+#     NVIDIA GPU:  docker build --build-arg VARIANT=cuda -t lmops:dev-cuda .
+#   pipeline: the `lmops` command and the pipeline's dependencies, for Kubeflow's steps
+#     docker build --target pipeline -t lmops:dev-pipeline .
 #
-# It carries the serving dependencies only: the exact pins of requirements-serve.lock
-# (lmops[serve]: torch, tokenizers, safetensors, flask, gunicorn, prometheus-client,
-# the skinny MLflow client), then lmops itself. Build arguments:
+# The serving image carries the serving dependencies only, the exact pins of
+# requirements-serve.lock (lmops[serve]: torch, tokenizers, safetensors, flask, gunicorn,
+# prometheus-client, the skinny MLflow client), and of lmops only its runtime half
+# (src/lmops/runtime and the shared leaves): no pipeline code. The pipeline image adds
+# requirements.lock and all of lmops. Build arguments:
 #   VARIANT      cpu | cuda: the base image and torch's build (+cpu or +cu128)
 #   TORCH_INDEX  where torch's +cpu/+cu128 wheels are (VARIANT's folder below it);
 #                empty: the pip configuration already offers them (a mirror)
@@ -64,13 +69,49 @@ RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
 RUN torch=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/torch \
     && rm -rf "$torch/include" "$torch/test" \
     && find "$torch/bin" -type f ! -name torch_shm_manager -delete
+# The runtime half of lmops only; its `lmops` command (the pipeline's) goes with the rest.
 COPY pyproject.toml README.md ./
+COPY src/lmops/__init__.py src/lmops/errors.py src/lmops/atomic.py src/lmops/
+COPY src/lmops/runtime/ src/lmops/runtime/
+RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
+    --mount=type=secret,id=ca.crt \
+    /opt/venv/bin/pip install --no-deps . \
+    && rm /opt/venv/bin/lmops
+
+# --- pipeline: the serving environment plus the pipeline's pins and all of lmops ---
+FROM build AS pipeline-build
+COPY requirements.lock ./
+RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
+    --mount=type=secret,id=ca.crt \
+    flavour=cpu; if [ "$VARIANT" = cuda ]; then flavour=cu128; fi \
+    && /opt/venv/bin/pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX/$flavour"} \
+       -r requirements.lock \
+    && /opt/venv/bin/pip check
 COPY src/ src/
 RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
     --mount=type=secret,id=ca.crt \
     /opt/venv/bin/pip install --no-deps .
 
-# --- runtime: the environment, the service, the model; non-root ------------------
+# Each Kubeflow step runs `lmops <stage>` in a fresh workspace with the image's params.yaml.
+# hadolint ignore=DL3006
+FROM base-${VARIANT} AS pipeline
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp
+RUN groupadd --system --gid 10001 lmops \
+    && useradd --system --uid 10001 --gid lmops --no-create-home \
+       --home-dir /nonexistent --shell /usr/sbin/nologin lmops
+COPY --from=pipeline-build /opt/python /opt/python
+COPY --from=pipeline-build /opt/venv /opt/venv
+WORKDIR /app
+COPY params.yaml dvc.yaml ./
+USER 10001:10001
+CMD ["lmops", "--help"]
+ARG REVISION=unknown
+LABEL org.opencontainers.image.revision=$REVISION
+
+# --- runtime (the default target): the environment, the service, the model; non-root --
 # No C++ compiler here (nor torch's headers), so no compiled decode: LMOPS_COMPILE=0
 # decodes eagerly from the start instead of failing a compile at every engine start.
 # hadolint ignore=DL3006
@@ -90,7 +131,6 @@ RUN groupadd --system --gid 10001 lmops \
 COPY --from=build /opt/python /opt/python
 COPY --from=build /opt/venv /opt/venv
 WORKDIR /app
-COPY params.yaml ./
 COPY production_service/ production_service/
 USER 10001:10001
 EXPOSE 5001 5002

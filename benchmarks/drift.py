@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from engine import RESULTS, build_random_model, greedy, make_engine, sync, write_results
 
-from lmops.engine.config import EngineConfig
-from lmops.model import default_dtype, resolve_device
+from lmops.runtime.engine.config import EngineConfig
+from lmops.runtime.model import default_dtype, resolve_device
 
 RATES = (0.0, EngineConfig().drift_sample, 1.0)
 

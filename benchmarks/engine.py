@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
-from lmops.engine import LLMEngine, SamplingParams
-from lmops.engine.config import EngineConfig
-from lmops.model import default_dtype, resolve_device
-from lmops.random_model import random_model_dir
+from lmops.pipeline.random_model import random_model_dir
+from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.engine.config import EngineConfig
+from lmops.runtime.model import default_dtype, resolve_device
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"

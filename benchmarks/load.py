@@ -147,7 +147,7 @@ def http_client(url: str, api_key: str | None, max_tokens: int, texts: list[str]
 
 def engine_client(loop, max_tokens: int, texts: list[str]):
     """one_request for run_clients: the same request straight into the engine loop."""
-    from lmops.engine import SamplingParams
+    from lmops.runtime.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
@@ -165,8 +165,8 @@ def engine_client(loop, max_tokens: int, texts: list[str]):
 
 def start_engine(model_dir: Path, device: str):
     """An engine with the server's own settings (ServiceConfig defaults), looping."""
-    from lmops.engine import EngineLoop, LLMEngine, SamplingParams
-    from production_service.config import ServiceConfig
+    from lmops.runtime.engine import EngineLoop, LLMEngine, SamplingParams
+    from production_service.settings import ServiceConfig
 
     config = ServiceConfig(device=device)
     engine = LLMEngine.from_pretrained(model_dir, config.engine)
@@ -203,7 +203,7 @@ def start_server(model_dir: Path, device: str) -> tuple[subprocess.Popen, str]:
 
 def build_random_model(directory: Path) -> Path:
     """The training default size with random weights (the benchmark measures speed, not text)."""
-    from lmops.random_model import random_model_dir
+    from lmops.pipeline.random_model import random_model_dir
 
     text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else "To be, or not to be. " * 5000
     texts = [text[i : i + 65536] for i in range(0, len(text), 65536)]

@@ -102,11 +102,11 @@ def main() -> int:
             timings[stage] = round(time.perf_counter() - t0, 1)
 
         sys.path.insert(0, str(REPO / "src"))
-        from lmops.config import EvaluateConfig
-        from lmops.evaluate import evaluate_dir, score
-        from lmops.model import Llama
-        from lmops.quantize import quantize
-        from lmops.tokenizer import load_tokenizer
+        from lmops.pipeline.evaluate import evaluate_dir, score
+        from lmops.pipeline.params import EvaluateConfig
+        from lmops.runtime.model import Llama
+        from lmops.runtime.quantize import quantize
+        from lmops.runtime.tokenizer import load_tokenizer
 
         train_text = (work / "data/processed/train.txt").read_text()
         heldout = "".join((work / f"data/processed/{name}.txt").read_text() for name in ("val", "test"))
@@ -116,7 +116,7 @@ def main() -> int:
         report = json.loads((work / "artifacts/data_report.json").read_text())
         model_dir, cfg = work / "artifacts/model", EvaluateConfig(max_batches=10_000, batch_size=16)
         val = evaluate_dir(model_dir, heldout, cfg)
-        # The same weights as int8 weight-only (lmops.quantize): its quality cost.
+        # The same weights as int8 weight-only (lmops.runtime.quantize): its quality cost.
         val_int8 = score(
             quantize(Llama.from_pretrained(model_dir), "int8"), load_tokenizer(model_dir), heldout, cfg
         )

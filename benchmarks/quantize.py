@@ -11,7 +11,7 @@ so load from other jobs falls on both alike. Greedy, EOS ignored. Workloads:
   P  one 512-token prompt: time to first token (prefill: the dequantizing GEMM path).
 Before them, a micro-benchmark of one linear per weight shape of the model, float32 against
 each of the int8 linear's two paths (the int8 kernel, the dequantizing GEMM, forced by
-setting `lmops.quantize.GEMM_ROWS`), at 1 to 512 rows: where the crossover lies.
+setting `lmops.runtime.quantize.GEMM_ROWS`), at 1 to 512 rows: where the crossover lies.
 The quality cost (bits/byte on held-out text) is measured on a trained model by
 benchmarks/quality.py, which reports float32 and int8 side by side.
 """
@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from engine import RESULTS, write_results
 
-import lmops.quantize
-from lmops.engine import LLMEngine, SamplingParams
-from lmops.quantize import Int8Weight
-from lmops.random_model import random_model_dir
+import lmops.runtime.quantize
+from lmops.pipeline.random_model import random_model_dir
+from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.quantize import Int8Weight
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"n_layer": 8, "n_embd": 512, "n_head": 8, "n_kv_heads": 4, "intermediate_size": 1376}
@@ -76,7 +76,7 @@ def linear_table(rows: tuple[int, ...], rounds: int = 4) -> dict:
     """ms per product for each shape and row count: float32, the int8 kernel, the int8 GEMM,
     the three alternating for `rounds` rounds (fastest counts), so bursts of load fall on all."""
     torch.manual_seed(0)
-    table, threshold = {}, lmops.quantize.GEMM_ROWS
+    table, threshold = {}, lmops.runtime.quantize.GEMM_ROWS
     for name, (n_out, n_in) in LINEARS.items():
         w = torch.randn(n_out, n_in) * 0.05
         qw = Int8Weight.from_float(w)
@@ -86,16 +86,16 @@ def linear_table(rows: tuple[int, ...], rounds: int = 4) -> dict:
             for _ in range(rounds):
                 row["float32"] = min(row["float32"], best_ms(F.linear, x, w))
                 for path, gemm_rows in (("int8_kernel", m + 1), ("int8_gemm", 0)):
-                    lmops.quantize.GEMM_ROWS = gemm_rows
+                    lmops.runtime.quantize.GEMM_ROWS = gemm_rows
                     row[path] = min(row[path], best_ms(F.linear, x, qw))
-                lmops.quantize.GEMM_ROWS = threshold
+                lmops.runtime.quantize.GEMM_ROWS = threshold
             table.setdefault(name, {})[m] = row
     return table
 
 
 def print_linear_table(table: dict) -> None:
     print("\none linear, ms: float32 / int8 kernel / int8 GEMM", end="")
-    print(f" (int8 takes the GEMM from {lmops.quantize.GEMM_ROWS} rows on)")
+    print(f" (int8 takes the GEMM from {lmops.runtime.quantize.GEMM_ROWS} rows on)")
     print("rows " + "".join(f"{name:>22s}" for name in table))
     for m in next(iter(table.values())):
         cells = ("/".join(f"{v:.3g}" for v in table[name][m].values()) for name in table)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         "int8_over_float32": ratios,
         "targets": TARGETS,
         "linear_ms": linears,
-        "gemm_rows": lmops.quantize.GEMM_ROWS,
+        "gemm_rows": lmops.runtime.quantize.GEMM_ROWS,
         "rounds_raw": {("int8" if q else "float32"): rs for q, rs in rows.items()},
         "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "cpu": platform.processor() or platform.machine(),

@@ -1,7 +1,7 @@
 """Training speed: lmops' model against `transformers`' LlamaForCausalLM, step for step.
 
 The default model of params.yaml (vocab 4096), params.yaml's batch (16 x 256 tokens),
-the same AdamW (`lmops.train.make_optimizer`: params.yaml's betas and weight decay),
+the same AdamW (`lmops.pipeline.train.make_optimizer`: params.yaml's betas and weight decay),
 gradient clipping at 1.0, the same threads, the same random batches. One loop times
 every configuration: forward with the loss, backward, clip, optimizer step, zero grads.
 The configurations alternate over `--rounds` (so background load hits each alike);
@@ -14,7 +14,7 @@ position fewer per row than ours, 255 of 256: it flatters HF by 0.4%).
   time (the first step) is reported apart.
 
 MFU = tokens/s x training FLOPs per token (`Llama.flops_per_token`, PaLM's 6N + attention)
-/ this machine's dense matmul FLOP/s in that precision (`lmops.train.measure_peak_flops`).
+/ this machine's dense matmul FLOP/s in that precision (`lmops.pipeline.train.measure_peak_flops`).
 
     python benchmarks/train.py [--rounds 3] [--steps 5] [--threads 0] [--out results/train-cpu.json]
 """
@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from engine import RESULTS, write_results
 
-from lmops.config import Params
-from lmops.model import Llama, LlamaConfig
-from lmops.train import autocast, batch, make_optimizer, measure_peak_flops, resolve_precision
+from lmops.pipeline.params import Params
+from lmops.pipeline.train import autocast, batch, make_optimizer, measure_peak_flops, resolve_precision
+from lmops.runtime.model import Llama, LlamaConfig
 
 VOCAB = 4096
 BASELINE = "transformers float32"

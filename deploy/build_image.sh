@@ -5,7 +5,9 @@
 #     deploy/build_image.sh [--dry-run] [-- BUILD-OPTION...]
 #
 # <tag> is IMAGE_TAG or the git commit; GPU=1 builds the CUDA variant, tagged
-# <tag>-cuda. The model in production_service/model is baked in when present.
+# <tag>-cuda; IMAGE_TARGET=pipeline the image Kubeflow's pipeline steps run in, tagged
+# <tag>-pipeline (default: runtime, the serving image). The model in
+# production_service/model is baked into the serving image when present.
 # CONTAINER_ENGINE is docker (default) or podman (whose builder then writes the
 # docker format: the OCI one has no HEALTHCHECK). CONTEXT is the build context
 # (default: the repository). Options after `--` go to the build command as they
@@ -33,10 +35,11 @@ case "$engine" in
   podman) extra=(--format docker "${extra[@]}") ;;
   *) die "CONTAINER_ENGINE must be docker or podman (got '$engine')" ;;
 esac
-if [ ! -f "$context/production_service/model/config.json" ]; then
+target=$(image_target)
+if [ "$target" = runtime ] && [ ! -f "$context/production_service/model/config.json" ]; then
   echo "warning: no model in $context/production_service/model: the image will need one mounted" \
     "at /app/production_service/model, or LMOPS_MODEL_URI (see docs/deploy.md)" >&2
 fi
-run "$engine" build --pull --build-arg "VARIANT=$variant" \
+run "$engine" build --pull --target "$target" --build-arg "VARIANT=$variant" \
   --build-arg "REVISION=$(git rev-parse HEAD)" \
   "${extra[@]}" --tag "lmops:$(image_tag)" "$context"

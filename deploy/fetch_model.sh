@@ -20,9 +20,8 @@ export_dir=${EXPORT_DIR:-production_service/model}
 run python -c '
 import sys, tempfile
 from pathlib import Path
-from lmops import registry, tracking
+from lmops.runtime.model_dir import download, export
 with tempfile.TemporaryDirectory() as tmp:
-    model_dir = registry.download_model_dir(sys.argv[1], Path(tmp))
-    tracking.export(model_dir, Path(sys.argv[2]), {"model_uri": sys.argv[1]})
+    export(download(sys.argv[1], Path(tmp)), Path(sys.argv[2]), model_uri=sys.argv[1])
 ' "$model_uri" "$export_dir"
 dry_run || echo "$export_dir now holds $model_uri" >&2

@@ -8,7 +8,7 @@
 #   [IMAGE_TEST_MODEL=dir] [PYTHON=system|managed] [TORCH_INDEX=url] deploy/image_test.sh
 #
 # The model is a tiny random one (tests/conftest.py), or IMAGE_TEST_MODEL's copy,
-# exported as `lmops promote` exports (lmops.tracking.export).
+# exported as `lmops promote` exports (lmops.runtime.model_dir.export).
 # The engine is docker when its daemon answers, else podman (rootful, runc: crun
 # fails on hybrid cgroup hosts; explicit ulimits, as there is no CAP_SYS_RESOURCE).
 #
@@ -137,11 +137,11 @@ make_model() { # make_model DIR NAME: exported the way promote exports, served a
   python - "$1" "$2" "${IMAGE_TEST_MODEL:-}" <<'PY'
 import sys, tempfile
 from pathlib import Path
-from lmops.tracking import export
+from lmops.runtime.model_dir import export
 from tests.conftest import make_tiny_model_dir
 target, name, source = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 with tempfile.TemporaryDirectory() as tmp:
-    export(Path(source) if source else make_tiny_model_dir(Path(tmp)), target, {"model_name": name})
+    export(Path(source) if source else make_tiny_model_dir(Path(tmp)), target, model_name=name)
 PY
 }
 context="$WORK/context"

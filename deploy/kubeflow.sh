@@ -11,7 +11,9 @@
 #                                             six fields, default nightly 0 0 2 * * *)
 #
 # The image is IMAGE, else the one deploy/push_image.sh pushed with CLOUD=kubeflow
-# (KUBEFLOW_REGISTRY acr|ecr, ACR_NAME or AWS_ACCOUNT_ID/AWS_REGION, IMAGE_TAG).
+# (KUBEFLOW_REGISTRY acr|ecr, ACR_NAME or AWS_ACCOUNT_ID/AWS_REGION, IMAGE_TAG): the
+# serving image for deploy, the pipeline image (IMAGE_TARGET=pipeline, tag <tag>-pipeline)
+# for train, pipeline and schedule.
 # deploy/train need KUBECONFIG for the cluster; pipeline needs KFP_HOST and
 # MLFLOW_TRACKING_URI (an MLflow server the cluster reaches), KFP_TOKEN if the
 # endpoint wants a bearer token. KUBEFLOW_NAMESPACE: the profile namespace
@@ -37,7 +39,11 @@ for arg in "$@"; do
 done
 [ -n "$action" ] || die "usage: deploy/kubeflow.sh [--dry-run] deploy|train|pipeline|schedule"
 namespace=${KUBEFLOW_NAMESPACE:-kubeflow-user-example-com}
-image=$(remote_image kubeflow)
+if [ "$action" = deploy ]; then
+  image=$(IMAGE_TARGET=runtime remote_image kubeflow)
+else
+  image=$(IMAGE_TARGET=pipeline remote_image kubeflow)
+fi
 
 # traffic PERCENT: the share of the InferenceService's traffic on its latest revision.
 traffic() {

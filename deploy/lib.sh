@@ -57,12 +57,24 @@ run() {
   dry_run || "$@"
 }
 
-# The image tag: IMAGE_TAG or the commit, with -cuda for the GPU variant (GPU=1).
+# The image tag: IMAGE_TAG or the commit, with -cuda for the GPU variant (GPU=1) and
+# -pipeline for the Dockerfile's pipeline target (IMAGE_TARGET=pipeline; default: runtime,
+# the serving image).
 image_tag() {
   local tag=${IMAGE_TAG:-}
   [ -n "$tag" ] || tag=$(git rev-parse --short=12 HEAD)
   if truthy "${GPU:-}"; then tag="$tag-cuda"; fi
+  case "$(image_target)" in
+    pipeline) tag="$tag-pipeline" ;;
+  esac
   echo "$tag"
+}
+
+image_target() {
+  case "${IMAGE_TARGET:-runtime}" in
+    runtime | pipeline) echo "${IMAGE_TARGET:-runtime}" ;;
+    *) die "IMAGE_TARGET must be runtime (the serving image) or pipeline (got '$IMAGE_TARGET')" ;;
+  esac
 }
 
 # seconds DURATION: a kubectl-style duration (90, 90s, 10m, 1h) in seconds.

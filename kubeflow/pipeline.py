@@ -1,6 +1,6 @@
 """The lmops pipeline on Kubeflow Pipelines (KFP v2).
 
-Each step is one DVC stage, `lmops <stage>`, run in the lmops image; the data, the
+Each step is one DVC stage, `lmops <stage>`, run in the lmops pipeline image (the Dockerfile's `pipeline` target); the data, the
 tokenizer, the model and the metrics pass between steps as KFP artifacts. Train,
 evaluate and promote share the MLflow tracking server given as the pipeline's
 `mlflow_tracking_uri` (promote registers the model there as @champion).
@@ -24,7 +24,9 @@ import sys
 from kfp import compiler, dsl
 from kfp.dsl import Artifact, Dataset, Input, Markdown, Model, Output
 
-DEFAULT_IMAGE = "lmops:latest"
+DEFAULT_IMAGE = (
+    "lmops:dev-pipeline"  # the Dockerfile's pipeline target (deploy/kubeflow.sh passes the pushed one)
+)
 
 # Runs one stage in a fresh workspace: copy the image's params.yaml and each input
 # artifact to the path the stage reads (--in PATH SRC), run the stage, copy each

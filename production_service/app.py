@@ -22,7 +22,6 @@ from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from production_service import completions, errors
-from production_service.config import ServiceConfig
 from production_service.errors import APIError
 from production_service.observability import HttpMetrics, RequestStats, configure_logging
 from production_service.runtime import Runtime
@@ -35,6 +34,7 @@ from production_service.schemas import (
     request_models,
     validate,
 )
+from production_service.settings import ServiceConfig
 
 _REQUEST_ID = re.compile(r"[\w.:/+=@-]{1,128}")
 

@@ -9,11 +9,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from lmops.engine import CompletionOutput, PromptTooLongError, QueueFullError, RequestOutput, SamplingParams
+from lmops.runtime.engine import (
+    CompletionOutput,
+    PromptTooLongError,
+    QueueFullError,
+    RequestOutput,
+    SamplingParams,
+)
 from production_service.errors import APIError, error_body
 from production_service.observability import RequestStats
 from production_service.schemas import (
-    DEFAULT_MAX_TOKENS,
     MAX_PROMPTS,
     Choice,
     Completion,
@@ -26,6 +31,7 @@ from production_service.schemas import (
 # How often a non-streaming request looks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
 _SAMPLING_FIELDS = (
+    "max_tokens",
     "n",
     "temperature",
     "top_p",
@@ -99,12 +105,13 @@ def encode_prompts(tokenizer, prompt, truncate: int | None, limits: Limits) -> l
     return out
 
 
-def sampling_params(body) -> SamplingParams:
-    """The engine caps max_tokens at the room the context leaves after the prompt."""
+def sampling_params(body, generation: dict) -> SamplingParams:
+    """What the request sets, on top of the model's generation config (`generation`: its
+    generation_config.json and LMOPS_GENERATION_CONFIG). The engine caps max_tokens at the
+    room the context leaves after the prompt."""
     kwargs = {k: getattr(body, k) for k in _SAMPLING_FIELDS if getattr(body, k, None) is not None}
-    kwargs["max_tokens"] = body.max_tokens or DEFAULT_MAX_TOKENS
     try:
-        return SamplingParams(**kwargs)
+        return SamplingParams.from_generation_config(generation, **kwargs)
     except ValueError as exc:
         param = next((f for f in _SAMPLING_FIELDS if str(exc).startswith(f)), None)
         raise APIError(400, str(exc), code="invalid_value", param=param) from None
@@ -112,7 +119,7 @@ def sampling_params(body) -> SamplingParams:
 
 def submit(runtime, body, stats: RequestStats) -> list[Job]:
     """Submit every prompt, or none: a failure cancels what was already submitted."""
-    params = sampling_params(body)
+    params = sampling_params(body, runtime.generation_config)
     truncate = getattr(body, "truncate_prompt_tokens", None)
     prompts = encode_prompts(runtime.engine.tokenizer, body.prompt, truncate, runtime.limits)
     jobs: list[Job] = []

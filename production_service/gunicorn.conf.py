@@ -14,7 +14,7 @@ import sys
 import threading
 
 from lmops.errors import LmopsError
-from production_service.config import ServiceConfig
+from production_service.settings import ServiceConfig
 
 try:
     _config = ServiceConfig.from_env()

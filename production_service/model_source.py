@@ -3,7 +3,6 @@ registry (`models:/lmops@champion`), downloaded once to a local directory."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import tempfile
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmops.errors import LmopsError
+from lmops.runtime.model_dir import CONFIG_FILE, ModelMeta, download, verify
 
 log = logging.getLogger(__name__)
 
@@ -24,23 +24,33 @@ class ModelInfo:
     version: str | None = None
     run_id: str | None = None
     source: str = ""
-    reference_bits_per_byte: float | None = None  # test bits/byte at promotion (the drift baseline)
+    meta: ModelMeta | None = None  # lmops.json; None for a plain HF Llama directory
+
+    @property
+    def reference_bits_per_byte(self) -> float | None:
+        """Test bits/byte at promotion: the drift signal's baseline."""
+        return None if self.meta is None else self.meta.reference_bits_per_byte
 
 
 def resolve_model(model_dir: Path, model_uri: str | None = None) -> ModelInfo:
     """The local directory to load and what is known about it (registry facts win
-    over lmops.json, whose keys may be missing)."""
+    over lmops.json, which a plain HF Llama directory does not have)."""
     if model_uri:
         path, registry = _download(model_uri)
     else:
         path, registry = Path(model_dir), {}
-        if not (path / "config.json").is_file():
+        if not (path / CONFIG_FILE).is_file():
             raise LmopsError(
-                f"{path}: not a model directory (missing config.json); "
+                f"{path}: not a model directory (missing {CONFIG_FILE}); "
                 "run `make run` to promote one, or set LMOPS_MODEL_DIR / LMOPS_MODEL_URI"
             )
-    meta = _read_meta(path)
-    facts = {**{k: meta.get(k) for k in ("model_name", "model_version", "run_id")}, **registry}
+    meta = verify(path)
+    facts = (
+        {}
+        if meta is None
+        else {"model_name": meta.model_name, "model_version": meta.model_version, "run_id": meta.run_id}
+    )
+    facts.update(registry)
     version = facts.get("model_version")
     return ModelInfo(
         path=path,
@@ -48,36 +58,14 @@ def resolve_model(model_dir: Path, model_uri: str | None = None) -> ModelInfo:
         version=None if version is None else str(version),
         run_id=facts.get("run_id"),
         source=model_uri or str(path),
-        reference_bits_per_byte=reference_bits_per_byte(meta),
+        meta=meta,
     )
-
-
-def reference_bits_per_byte(meta: dict) -> float | None:
-    """The model's test bits/byte from lmops.json: `reference_bits_per_byte`, else the
-    `metrics.test_bits_per_byte` that promotion has always exported."""
-    value = meta.get("reference_bits_per_byte")
-    if value is None:
-        metrics = meta.get("metrics")
-        value = metrics.get("test_bits_per_byte") if isinstance(metrics, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        return None
-    return float(value)
-
-
-def _read_meta(path: Path) -> dict:
-    try:
-        meta = json.loads((path / "lmops.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
 
 
 def _download(uri: str) -> tuple[Path, dict]:
     from mlflow.exceptions import MlflowException
 
-    from lmops.registry import download_model_dir
-
-    path = download_model_dir(uri, Path(tempfile.mkdtemp(prefix="lmops-model-")))
+    path = download(uri, Path(tempfile.mkdtemp(prefix="lmops-model-")))
     try:
         registry = _registry_facts(uri)
     except MlflowException as exc:

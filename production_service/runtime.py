@@ -8,10 +8,11 @@ import os
 import threading
 import time
 
+from lmops.runtime.model_dir import read_generation_config, sampling_defaults
 from production_service import faults
-from production_service.config import ServiceConfig
 from production_service.model_source import ModelInfo, resolve_model
 from production_service.schemas import Limits
+from production_service.settings import ServiceConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ class Runtime:
         self.loop = None
         self.model: ModelInfo | None = None
         self.limits: Limits | None = None
+        # Request defaults: the model's generation_config.json, LMOPS_GENERATION_CONFIG on top.
+        self.generation_config: dict = {}
         self.created = int(time.time())
         self._ready = threading.Event()
         self._lock = threading.Lock()
@@ -51,10 +54,12 @@ class Runtime:
         return self.loop is None or self.loop.healthy()
 
     def _load(self) -> None:
-        from lmops.engine import EngineLoop, EngineMetrics, LLMEngine, SamplingParams
+        from lmops.runtime.engine import EngineLoop, EngineMetrics, LLMEngine, SamplingParams
 
         try:
             model = resolve_model(self.config.model_dir, self.config.model_uri)
+            generation = {**read_generation_config(model.path), **self.config.generation_config}
+            sampling_defaults(model.path, self.config.generation_config)  # fails the load when invalid
             engine = LLMEngine.from_pretrained(model.path, self.config.engine)
             engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0, max_tokens=8))
             engine.metrics = EngineMetrics()  # the warm-up is not a request anyone made
@@ -73,6 +78,7 @@ class Runtime:
                 return
             loop.start()
             self.engine, self.loop, self.model = engine, loop, model
+            self.generation_config = generation
             self.limits = Limits(
                 max_model_len=engine.max_model_len,
                 vocab_size=engine.config.vocab_size,
@@ -83,9 +89,9 @@ class Runtime:
             self.state = "ready"
         if model.reference_bits_per_byte is None:
             log.warning(
-                "%s/lmops.json has no reference bits/byte (reference_bits_per_byte or "
-                "metrics.test_bits_per_byte): lmops:model_reference_bits_per_byte is not exported, "
-                "so the drift alert has nothing to compare with",
+                "%s: no reference bits/byte (lmops.json's metrics.test_bits_per_byte, which "
+                "promotion writes): lmops:model_reference_bits_per_byte is not exported, so the "
+                "drift alert has nothing to compare with",
                 model.path,
             )
         else:

@@ -14,16 +14,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from lmops.engine.sampling import MAX_LOGPROBS
+from lmops.runtime.engine.sampling import RANGES
 from production_service.errors import APIError
 
 MAX_PROMPTS = 16
 MAX_N = 16
 MAX_STOP = 8
 MAX_STOP_CHARS = 256
-MAX_SEED = 2**63 - 1
-MAX_TEMPERATURE = 2.0
-DEFAULT_MAX_TOKENS = 16
+MODEL_DEFAULT = " Default: the model's generation_config.json."
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -67,8 +65,15 @@ def _int(lo: int, hi: int, description: str | None = None):
     return _integer(lo, hi, description) | None
 
 
-def _float(lo: float, hi: float, description: str | None = None, exclusive_lo: bool = False):
-    low = {"gt": lo} if exclusive_lo else {"ge": lo}
+def _sampling(field: str, description: str | None = None, cap: float | None = None):
+    """An optional request field with SamplingParams' range for `field` (lmops.runtime.engine.sampling.RANGES),
+    its upper bound lowered to `cap` where the loaded model sets one."""
+    r = RANGES[field]
+    hi = r.hi if cap is None else cap if r.hi is None else min(r.hi, cap)
+    if r.integer:
+        lo = int(r.lo) + 1 if r.lo_open else int(r.lo)
+        return _integer(lo, hi, description) | None
+    low = {"gt": r.lo} if r.lo_open else {"ge": r.lo}
     return Annotated[float, Field(**low, le=hi, allow_inf_nan=False, description=description)] | None
 
 
@@ -86,13 +91,13 @@ def request_models(limits: Limits) -> tuple[type[_Request], type[_Request]]:
     stop_text = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
     class Sampling(_Request):
-        max_tokens: _int(1, ctx, "Capped at the room the context leaves after the prompt.") = Field(
-            None, json_schema_extra={"default": DEFAULT_MAX_TOKENS}
-        )
-        temperature: _float(0, MAX_TEMPERATURE, "0 = greedy. Default 1.") = None
-        top_p: _float(0, 1, "Nucleus sampling mass. Default 1.", exclusive_lo=True) = None
-        top_k: _int(-1, vocab, "0 or -1 = disabled (vLLM extra).") = None
-        seed: _int(0, MAX_SEED) = None
+        max_tokens: _sampling(
+            "max_tokens", "Capped at the room the context leaves after the prompt." + MODEL_DEFAULT, ctx
+        ) = None
+        temperature: _sampling("temperature", "0 = greedy." + MODEL_DEFAULT) = None
+        top_p: _sampling("top_p", "Nucleus sampling mass." + MODEL_DEFAULT) = None
+        top_k: _sampling("top_k", "0 or -1 = disabled (vLLM extra)." + MODEL_DEFAULT, vocab) = None
+        seed: _sampling("seed") = None
         stop: stop_text | Annotated[list[stop_text], Field(max_length=MAX_STOP)] | None = Field(
             None, description="Generation stops before any of these strings; they are not returned."
         )
@@ -105,12 +110,12 @@ def request_models(limits: Limits) -> tuple[type[_Request], type[_Request]]:
             | token_ids
             | Annotated[list[token_ids], Field(min_length=1, max_length=MAX_PROMPTS)]
         ) = Field(description="A string, strings, token ids, or lists of token ids.")
-        n: _int(1, min(MAX_N, limits.max_num_seqs)) = None
-        logprobs: _int(0, MAX_LOGPROBS, "Top log-probabilities per generated token.") = None
-        presence_penalty: _float(-2, 2) = None
-        frequency_penalty: _float(-2, 2) = None
-        repetition_penalty: _float(0, 2, "vLLM extra. Default 1.", exclusive_lo=True) = None
-        min_p: _float(0, 1, "vLLM extra. Default 0.") = None
+        n: _sampling("n", cap=min(MAX_N, limits.max_num_seqs)) = None
+        logprobs: _sampling("logprobs", "Top log-probabilities per generated token.") = None
+        presence_penalty: _sampling("presence_penalty") = None
+        frequency_penalty: _sampling("frequency_penalty") = None
+        repetition_penalty: _sampling("repetition_penalty", "vLLM extra. Default 1.") = None
+        min_p: _sampling("min_p", "vLLM extra. Default 0.") = None
         stop_token_ids: Annotated[list[token_id], Field(max_length=MAX_STOP)] | None = Field(
             None, description="vLLM extra."
         )

@@ -1,9 +1,11 @@
 """Starting the service, the one way: gunicorn with production_service/gunicorn.conf.py
-(which names the app), and waiting until /ready says 200. Used by `lmops serve`,
-`make serve`, the tests and the load benchmark; standard library only."""
+(which names the app), and waiting until /ready says 200. Used by `lmops serve`
+(`python -m production_service.server`), `make serve`, the tests and the load benchmark;
+standard library only."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -31,3 +33,8 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 
             pass
         time.sleep(0.1)
     return False
+
+
+if __name__ == "__main__":  # `lmops serve`: become gunicorn
+    argv = gunicorn_argv()
+    os.execv(argv[0], argv)

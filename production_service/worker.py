@@ -23,8 +23,8 @@ from gunicorn import util
 from gunicorn.workers import gthread
 from werkzeug.serving import WSGIRequestHandler, make_server
 
-from production_service.config import ServiceConfig
 from production_service.errors import error_body
+from production_service.settings import ServiceConfig
 
 log = logging.getLogger(__name__)
 

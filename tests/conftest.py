@@ -111,7 +111,7 @@ def make_tiny_model_dir(
     directory: Path, max_seq_len: int = 128, meta: dict | None = None, text: str | None = None
 ) -> Path:
     """A randomly initialised tiny Llama directory in the HF layout the pipeline exports."""
-    from lmops.random_model import TINY, random_model_dir
+    from lmops.pipeline.random_model import TINY, random_model_dir
 
     text = text or "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
     return random_model_dir(directory, [text], 300, max_seq_len, meta=meta or {}, **TINY)
@@ -134,18 +134,19 @@ class TrainedModel:
 def make_trained_model_dir(directory: Path, steps: int = 150, seed: int = 0) -> TrainedModel:
     """Train a tiny Llama for `steps` on standard-library sources (offline, ~10 s on one core):
     a model whose cross-entropy tells its own kind of text from others (the drift tests).
-    Its lmops.json carries `reference_bits_per_byte`, measured on the held-out files with
+    Its lmops.json carries `metrics.test_bits_per_byte`, measured on the held-out files with
     evaluate.score, as promotion writes it."""
     import json
 
     import numpy as np
     import torch
 
-    from lmops.config import EvaluateConfig
-    from lmops.evaluate import score
-    from lmops.model import Llama, LlamaConfig
-    from lmops.tokenize import save_tokenizer, train_tokenizer
-    from lmops.tokenizer import encode
+    from lmops.pipeline.evaluate import score
+    from lmops.pipeline.params import EvaluateConfig
+    from lmops.pipeline.tokenize_stage import save_tokenizer, train_tokenizer
+    from lmops.runtime.model import Llama, LlamaConfig
+    from lmops.runtime.model_dir import ModelMeta, write_meta
+    from lmops.runtime.tokenizer import encode
 
     files = sorted(p for p in Path(json.__file__).parents[1].glob("*.py") if p.stat().st_size < 60_000)
     texts = [p.read_text(errors="replace") for p in files[:40]]
@@ -182,8 +183,8 @@ def make_trained_model_dir(directory: Path, steps: int = 150, seed: int = 0) -> 
         torch.set_num_threads(threads)
     model.save_pretrained(directory)
     save_tokenizer(tok, directory, cfg.max_seq_len)
-    meta = {"run_id": "run-trained", "model_name": "lmops-trained", "reference_bits_per_byte": ref}
-    (directory / "lmops.json").write_text(json.dumps(meta))
+    metrics = {"test_bits_per_byte": ref}
+    write_meta(directory, ModelMeta(run_id="run-trained", model_name="lmops-trained", metrics=metrics))
     return TrainedModel(directory, test_text, ref)
 
 

@@ -49,7 +49,7 @@ ARGS["ttft-p95-floor-seconds"] = "0.5"
 def model_with_reference(source, target, reference: float):
     shutil.copytree(source, target)
     meta = json.loads((target / "lmops.json").read_text())
-    (target / "lmops.json").write_text(json.dumps({**meta, "reference_bits_per_byte": reference}))
+    (target / "lmops.json").write_text(json.dumps({**meta, "metrics": {"test_bits_per_byte": reference}}))
     return target
 
 

@@ -52,7 +52,8 @@ def test_every_ignored_hadolint_rule_is_explained_in_the_config():
 def test_image_is_multi_stage_pinned_non_root_and_serves_5001():
     steps = instructions()
     froms = [args for op, args in steps if op == "FROM"]
-    images = [f.split()[0] for f in froms if not f.startswith("base-")]
+    stage_names = {f.split(" AS ")[-1] for f in froms}
+    images = [f.split()[0] for f in froms if not f.startswith("base-") and f.split()[0] not in stage_names]
     assert len(froms) >= 3 and any(" AS build" in f for f in froms) and froms[-1].endswith("AS runtime")
     for image in images:  # a tag with a version in it, never latest
         assert re.search(r":[^:]*\d", image) and not image.endswith(":latest"), image
@@ -69,6 +70,34 @@ def test_image_is_multi_stage_pinned_non_root_and_serves_5001():
     assert any(op == "COPY" and "requirements-serve.lock" in args for op, args in steps)
     assert any(op == "RUN" and "-r requirements-serve.lock" in args for op, args in steps)
     assert any(op == "COPY" and args.startswith("production_service/") for op, args in runtime)
+
+
+def stages() -> dict[str, list[tuple[str, str]]]:
+    """Each build stage's name and its instructions."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    current: list = []
+    for op, args in instructions():
+        if op == "FROM":
+            current = found.setdefault(args.split(" AS ")[-1].strip(), [])
+        current.append((op, args))
+    return found
+
+
+def test_the_serving_target_carries_the_runtime_half_only_and_the_pipeline_target_all():
+    """DESIGN.md's two halves: the image the LoadBalancer serves has no pipeline code (nor its
+    `lmops` command); Kubeflow's steps run in the pipeline target."""
+    by_stage = stages()
+    serving = [args for stage in ("build", "runtime") for op, args in by_stage[stage] if op == "COPY"]
+    copied = [src for args in serving if "--from" not in args for src in args.split()[:-1]]
+    assert "src/lmops/runtime/" in copied
+    assert not [src for src in copied if src in ("src/", "src/lmops/", "params.yaml") or "pipeline" in src]
+    assert any(op == "RUN" and "rm /opt/venv/bin/lmops" in args for op, args in by_stage["build"])
+    pipeline = by_stage["pipeline"]
+    assert by_stage["pipeline-build"][0] == ("FROM", "build AS pipeline-build")
+    assert any(op == "RUN" and "-r requirements.lock" in args for op, args in by_stage["pipeline-build"])
+    assert ("COPY", "src/ src/") in by_stage["pipeline-build"]
+    assert [args for op, args in pipeline if op == "USER"][-1].startswith("10001")
+    assert ("COPY", "params.yaml dvc.yaml ./") in pipeline
 
 
 def glob_regex(glob: str) -> re.Pattern:
@@ -123,7 +152,7 @@ def test_dockerignore_keeps_data_venv_mlflow_db_and_caches_out():
         "pyproject.toml",
         "README.md",
         "params.yaml",
-        "src/lmops/cli.py",
+        "src/lmops/pipeline/cli.py",
         "production_service/app.py",
         "production_service/gunicorn.conf.py",
         "production_service/model/config.json",

@@ -161,7 +161,7 @@ def test_pytorchjob_runs_the_train_stage_with_torchrun_on_a_shared_workspace():
         pod = replica["template"]["spec"]
         (container,) = pod["containers"]
         command = container["command"]
-        assert command[0] == "torchrun" and command[-3:] == ["-m", "lmops.cli", "train"]
+        assert command[0] == "torchrun" and command[-3:] == ["-m", "lmops.pipeline.cli", "train"]
         assert any(a.startswith("--nproc_per_node=") for a in command)
         assert container["workingDir"] == "/workspace"
         assert any(

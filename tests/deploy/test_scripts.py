@@ -20,14 +20,25 @@ EKS_LOGIN = "aws eks update-kubeconfig --region eu-west-1 --name test-eks"
 # (script, arguments, environment, what the dry run must print). The Jenkinsfile test
 # checks that each of its `sh` steps is one of these.
 DRY_RUNS = [
-    ("build_image.sh", (), {}, ["docker build --pull --build-arg VARIANT=cpu", "--tag lmops:0123abcd ."]),
+    (
+        "build_image.sh",
+        (),
+        {},
+        ["docker build --pull --target runtime --build-arg VARIANT=cpu", "--tag lmops:0123abcd ."],
+    ),
     ("build_image.sh", (), {"GPU": "true"}, ["--build-arg VARIANT=cuda", "--tag lmops:0123abcd-cuda ."]),
+    (
+        "build_image.sh",
+        (),
+        {"IMAGE_TARGET": "pipeline"},
+        ["docker build --pull --target pipeline --build-arg VARIANT=cpu", "--tag lmops:0123abcd-pipeline ."],
+    ),
     (
         "build_image.sh",
         ("--", "--build-arg", "PYTHON=system"),
         {"CONTAINER_ENGINE": "podman", "CONTEXT": "/tmp/context"},
         [
-            "podman build --pull --build-arg VARIANT=cpu",
+            "podman build --pull --target runtime --build-arg VARIANT=cpu",
             "--format docker --build-arg PYTHON=system --tag lmops:0123abcd /tmp/context",
         ],
     ),
@@ -53,6 +64,12 @@ DRY_RUNS = [
         (),
         {"CLOUD": "kubeflow", "KUBEFLOW_REGISTRY": "ecr", "GPU": "1"},
         [f"docker push {ECR}:0123abcd-cuda"],
+    ),
+    (
+        "push_image.sh",
+        (),
+        {"CLOUD": "kubeflow", "KUBEFLOW_REGISTRY": "ecr", "IMAGE_TARGET": "pipeline"},
+        [f"docker push {ECR}:0123abcd-pipeline"],
     ),
     (
         "deploy.sh",
@@ -118,12 +135,20 @@ DRY_RUNS = [
             '--patch \\{\\"spec\\":\\{\\"predictor\\":\\{\\"canaryTrafficPercent\\":100',
         ],
     ),
-    ("kubeflow.sh", ("train",), {}, ["delete pytorchjob lmops-train --ignore-not-found", "kubectl apply"]),
+    (
+        "kubeflow.sh",
+        ("train",),
+        {},
+        ["delete pytorchjob lmops-train --ignore-not-found", "kubectl apply"],
+    ),
     (
         "kubeflow.sh",
         ("pipeline",),
         {},
-        ["python kubeflow/pipeline.py submit --host https://kfp.invalid --package"],
+        [
+            f"(image {ACR}:0123abcd-pipeline)",
+            "python kubeflow/pipeline.py submit --host https://kfp.invalid --package",
+        ],
     ),
     (
         "kubeflow.sh",
@@ -257,8 +282,8 @@ def test_every_script_has_a_dry_run_case():
 REGISTER = """
 import sys
 from pathlib import Path
-from lmops import tracking
-from lmops.config import MlflowConfig
+from lmops.pipeline import tracking
+from lmops.pipeline.params import MlflowConfig
 
 experiment = tracking.configure(MlflowConfig(experiment="t", tracking_uri=sys.argv[1], artifact_location="mlruns"))
 run_id = tracking.client().create_run(experiment).info.run_id

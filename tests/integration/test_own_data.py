@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmops.sources import stdlib_files
+from lmops.pipeline.sources import stdlib_files
 from tests.conftest import BIN, make_project, run
 from tests.integration.test_cli import assert_clean_error, lmops
 from tests.integration.test_pipeline import ran_stages, registry

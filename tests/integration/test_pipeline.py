@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from lmops.model import MODEL_FILES, Llama
-from lmops.promote import FAULT_ENV
+from lmops.pipeline.promote import FAULT_ENV
+from lmops.runtime.model import MODEL_FILES, Llama
 from tests.conftest import BIN, env, make_project, run, write_params
 
 pytestmark = pytest.mark.slow
@@ -90,10 +90,10 @@ def test_transformers_loads_the_promoted_model(project):
 
 
 def test_int8_weights_cost_under_1pct_bits_per_byte(project):
-    from lmops.config import EvaluateConfig
-    from lmops.evaluate import score
-    from lmops.quantize import quantize
-    from lmops.tokenizer import load_tokenizer
+    from lmops.pipeline.evaluate import score
+    from lmops.pipeline.params import EvaluateConfig
+    from lmops.runtime.quantize import quantize
+    from lmops.runtime.tokenizer import load_tokenizer
 
     served = project / "production_service/model"
     text, tok = (project / "data/processed/test.txt").read_text(), load_tokenizer(served)
@@ -122,7 +122,7 @@ def test_registry_champion_and_pyfunc(project, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project}/mlflow.db")  # not global state
     model = mlflow.pyfunc.load_model("models:/lmops@champion")
     out = model.predict(["def ", "import "], params={"max_tokens": 5, "temperature": 0.0})
-    from lmops.engine import LLMEngine, SamplingParams
+    from lmops.runtime.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine.from_pretrained(project / "production_service/model")
     greedy = engine.generate(["def ", "import "], SamplingParams(max_tokens=5, temperature=0.0))

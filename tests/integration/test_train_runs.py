@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from lmops.train import FAULT_ENV
+from lmops.pipeline.train import FAULT_ENV
 from tests.conftest import BIN, env, run
 
 pytestmark = pytest.mark.slow
@@ -118,7 +118,7 @@ def test_corrupt_checkpoint_stops_with_a_clear_error(tokenized_project, tmp_path
 def test_ddp_with_two_processes_on_cpu(tokenized_project, tmp_path):
     project = _copy(tokenized_project, tmp_path / "ddp")
     run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "lmops.cli", "train"],
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "lmops.pipeline.cli", "train"],
         project,
         timeout=400,
     )
@@ -128,7 +128,7 @@ def test_ddp_with_two_processes_on_cpu(tokenized_project, tmp_path):
     params = MlflowClient(tracking_uri=f"sqlite:///{project}/mlflow.db").get_run(meta["run_id"]).data.params
     assert params["world_size"] == "2"
     assert meta["metrics"]["tokens"] == 2 * 20 * 8 * 64  # both ranks' batches counted
-    from lmops.model import Llama
+    from lmops.runtime.model import Llama
 
     Llama.from_pretrained(project / "artifacts/model")  # a complete, loadable model
 
@@ -188,9 +188,9 @@ def test_keep_best_exports_the_lowest_validation_loss_and_survives_sigkill(token
     assert meta["metrics"]["steps"] == 30 and meta["stop_reason"] == "reached max_steps (30)"
     assert _mlflow_run(straight, meta["run_id"]).data.metrics["best_step"] == best_step
     # The exported weights are the best ones: they score the best validation loss again.
-    from lmops.config import load_params
-    from lmops.model import Llama
-    from lmops.train import estimate_val_loss
+    from lmops.pipeline.params import load_params
+    from lmops.pipeline.train import estimate_val_loss
+    from lmops.runtime.model import Llama
 
     cfg = load_params(straight / "params.yaml").train
     tokens = np.fromfile(straight / "data/processed/val.bin", dtype=np.uint16)

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from lmops.engine import LLMEngine, SamplingParams
+from lmops.runtime.engine import LLMEngine, SamplingParams
 from tests.monitoring.drift_prompts import in_distribution, out_of_distribution
 
 

@@ -15,7 +15,7 @@ import yaml
 
 from deploy.monitoring import check
 from production_service.app import create_app
-from production_service.config import ServiceConfig
+from production_service.settings import ServiceConfig
 from tests.conftest import make_tiny_model_dir
 from tests.monitoring.conftest import MONITORING, REPO, RULES, binary
 
@@ -83,7 +83,9 @@ def test_malformed_rules_are_reported_with_file_and_line(tmp_path):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> set[str]:
     """The sample names a real /metrics exposes after some traffic, with a reference model."""
-    model = make_tiny_model_dir(tmp_path_factory.mktemp("model"), meta={"reference_bits_per_byte": 3.0})
+    model = make_tiny_model_dir(
+        tmp_path_factory.mktemp("model"), meta={"metrics": {"test_bits_per_byte": 3.0}}
+    )
     app = create_app(ServiceConfig(model_dir=model, device="cpu", drift_sample=1.0))
     runtime = app.extensions["lmops"]
     assert runtime.wait_ready(60), runtime.error

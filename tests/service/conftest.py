@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from production_service.app import create_app
-from production_service.config import ServiceConfig
 from production_service.server import gunicorn_argv
 from production_service.server import wait_ready as server_ready
+from production_service.settings import ServiceConfig
 from tests.conftest import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from lmops.engine import EngineConfig, SamplingParams
 from lmops.errors import LmopsError
+from lmops.runtime.engine import EngineConfig, SamplingParams
 from production_service import app as app_module
-from production_service import config as config_module
+from production_service import settings as settings_module
 from production_service.app import create_app
-from production_service.config import ServiceConfig
+from production_service.settings import ServiceConfig
 from tests.service.conftest import CONTEXT, load_app
 
 PROMPT = "ROMEO: What light"
@@ -127,7 +127,7 @@ def test_predict_and_models(client):
         ({"n": 1.5}, "n"),
         ({"top_p": 0}, "top_p"),
         ({"logprobs": 21}, "logprobs"),
-        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"stream": "yes"}, "stream"),
         ({"prompt": ""}, "prompt"),
@@ -230,7 +230,7 @@ def test_reference_gauge_from_lmops_json_and_warning_without(model_dir, tmp_path
 
     with_ref = shutil.copytree(model_dir, tmp_path / "with-ref")
     meta = json.loads((with_ref / "lmops.json").read_text())
-    (with_ref / "lmops.json").write_text(json.dumps({**meta, "reference_bits_per_byte": 2.25}))
+    (with_ref / "lmops.json").write_text(json.dumps({**meta, "metrics": {"test_bits_per_byte": 2.25}}))
     app = load_app(model_dir=with_ref, device="cpu")
     text = app.test_client().get("/metrics").get_data(as_text=True)
     app.extensions["lmops"].shutdown(5)
@@ -353,7 +353,7 @@ def test_config_from_env_names_the_bad_variable(monkeypatch):
 
 def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
     """The mapping is generic: a field added to EngineConfig is LMOPS_<FIELD> here."""
-    monkeypatch.setattr(config_module, "_ENGINE_FIELDS", (*config_module._ENGINE_FIELDS, "made_up_field"))
+    monkeypatch.setattr(settings_module, "_ENGINE_FIELDS", (*settings_module._ENGINE_FIELDS, "made_up_field"))
     monkeypatch.setenv("LMOPS_MADE_UP_FIELD", "7")
     with pytest.raises(LmopsError, match="LMOPS_MADE_UP_FIELD"):  # EngineConfig has no such field
         ServiceConfig.from_env()
@@ -363,6 +363,6 @@ def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
         env = str(value).lower() if value is not None else unset_examples[f.name]
         monkeypatch.setenv(f"LMOPS_{f.name.upper()}", env)
     monkeypatch.delenv("LMOPS_MADE_UP_FIELD")
-    monkeypatch.setattr(config_module, "_ENGINE_FIELDS", config_module._ENGINE_FIELDS[:-1])
+    monkeypatch.setattr(settings_module, "_ENGINE_FIELDS", settings_module._ENGINE_FIELDS[:-1])
     engine = ServiceConfig.from_env().engine
     assert engine.kv_cache_memory == 1000000 and engine.quantization == "int8"

@@ -11,7 +11,6 @@ import pytest
 
 from lmops.errors import LmopsError
 from production_service.model_source import resolve_model
-from tests.unit.test_layers import PIPELINE
 
 
 def test_local_directory_with_partial_metadata(model_dir, tmp_path):
@@ -19,7 +18,8 @@ def test_local_directory_with_partial_metadata(model_dir, tmp_path):
     assert (info.path, info.name, info.version, info.run_id) == (model_dir, "lmops-tiny", "7", "run-tiny")
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "config.json").write_text("{}")
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_text("{}")
     (bare / "lmops.json").write_text(json.dumps({"data_sha256": "abc"}))
     assert (resolve_model(bare).name, resolve_model(bare).version) == ("bare", None)
     with pytest.raises(LmopsError, match="missing config.json"):
@@ -58,16 +58,28 @@ def test_registry_alias_resolves_to_the_model_directory(registry, tmp_path):
 @pytest.mark.parametrize(
     ("meta", "want"),
     [
-        ({"reference_bits_per_byte": 2.5, "metrics": {"test_bits_per_byte": 3.0}}, 2.5),
-        ({"metrics": {"test_bits_per_byte": 3.0}}, 3.0),  # what promotion has always exported
+        ({"metrics": {"test_bits_per_byte": 3.0}}, 3.0),  # what promotion exports
         ({"metrics": {"val_loss": 1.0}}, None),
-        ({"reference_bits_per_byte": "high"}, None),
+        ({"metrics": {"test_bits_per_byte": "high"}}, None),
+        (None, None),  # a plain HF Llama directory
     ],
 )
 def test_reference_bits_per_byte_from_lmops_json(tmp_path, meta, want):
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "lmops.json").write_text(json.dumps(meta))
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_text("{}")
+    if meta is not None:
+        (tmp_path / "lmops.json").write_text(json.dumps(meta))
     assert resolve_model(tmp_path).reference_bits_per_byte == want
+
+
+def test_a_corrupt_lmops_json_is_an_error_naming_it(model_dir, tmp_path):
+    """Not a silent fallback to the directory's name (requests for the model's name would 404)."""
+    import shutil
+
+    broken = shutil.copytree(model_dir, tmp_path / "broken")
+    (broken / "lmops.json").write_text("{not json")
+    with pytest.raises(LmopsError, match=r"lmops\.json: unreadable lmops\.json"):
+        resolve_model(broken)
 
 
 @pytest.mark.slow
@@ -83,6 +95,7 @@ def test_a_registry_download_imports_no_pipeline_code(registry, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     version, loaded = json.loads(out.stdout.splitlines()[-1])
     assert version == "1"
-    pipeline = [p for p in PIPELINE if not p.startswith("mlflow") and p not in ("pandas", "transformers")]
-    crossed = [m for m in loaded if m in pipeline or m.startswith(tuple(p + "." for p in pipeline))]
+    crossed = [
+        m for m in loaded if m.startswith("lmops.pipeline") or m.split(".")[0] in ("dvc", "transformers")
+    ]
     assert not crossed, f"a registry download loads pipeline modules: {crossed}"

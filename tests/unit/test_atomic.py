@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmops import atomic, tracking
-from lmops.engine import LLMEngine
-from lmops.model import Llama, LlamaConfig
-from lmops.random_model import TINY
+from lmops import atomic
+from lmops.pipeline.random_model import TINY
+from lmops.runtime.engine import LLMEngine
+from lmops.runtime.model import Llama, LlamaConfig
+from lmops.runtime.model_dir import export
 
 
 def mode(path: Path) -> int:
@@ -110,7 +111,7 @@ def test_an_export_is_readable_by_an_unprivileged_user(tiny_model_dir, public_di
     assert "Permission denied" in load_as_nobody(private)  # the fault, reproduced
 
     served = public_dir / "production_service/model"
-    tracking.export(private, served, {"model_version": 3})
+    export(private, served, model_version=3)
     assert mode(served) == 0o755
     assert {f.name: mode(f) for f in served.iterdir()} == {f.name: 0o644 for f in private.iterdir()}
     assert load_as_nobody(served) == ""

@@ -1,6 +1,6 @@
-from lmops import cli
-from lmops.model import Llama, LlamaConfig
-from lmops.random_model import TINY
+from lmops.pipeline import cli
+from lmops.pipeline.random_model import TINY
+from lmops.runtime.model import Llama, LlamaConfig
 
 
 def test_generate_samples_with_the_models_defaults_unless_a_flag_says_otherwise(tmp_path):
@@ -9,4 +9,4 @@ def test_generate_samples_with_the_models_defaults_unless_a_flag_says_otherwise(
         ["generate", "--model", str(tmp_path), "--prompt", "x", "--top-k", "5"]
     )
     s = cli._sampling(args)
-    assert (s.temperature, s.top_k, s.top_p, s.seed, s.max_tokens) == (0.8, 5, 0.95, 1337, 64)
+    assert (s.temperature, s.top_k, s.top_p, s.seed, s.max_tokens) == (0.8, 5, 0.95, None, 128)

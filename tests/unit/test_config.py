@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from lmops.config import Params, load_params, parse_params
 from lmops.errors import LmopsError
+from lmops.pipeline.params import Params, load_params, parse_params
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def test_repo_params_are_valid_and_complete():
 
 
 def test_schema_defaults_are_the_repo_params():
-    # A default in config.py that differed from params.yaml would mislead whoever reads it.
+    # A default in params.py that differed from params.yaml would mislead whoever reads it.
     assert parse_params({}) == load_params(REPO / "params.yaml")
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmops.config import DataConfig, SplitConfig
-from lmops.data import (
+from lmops.errors import LmopsError
+from lmops.pipeline.data import (
     _chunks,
     _lines,
     _paragraphs,
@@ -18,8 +18,8 @@ from lmops.data import (
     read_documents,
     split,
 )
-from lmops.errors import LmopsError
-from lmops.sources import FILE_HEADER, stdlib_files
+from lmops.pipeline.params import DataConfig, SplitConfig
+from lmops.pipeline.sources import FILE_HEADER, stdlib_files
 
 SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
 

@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 
-from lmops.config import EvaluateConfig
-from lmops.evaluate import score
-from lmops.model import Llama, LlamaConfig
-from lmops.tokenize import train_tokenizer
-from lmops.tokenizer import encode, token_byte_lengths
+from lmops.pipeline.evaluate import score
+from lmops.pipeline.params import EvaluateConfig
+from lmops.pipeline.tokenize_stage import train_tokenizer
+from lmops.runtime.model import Llama, LlamaConfig
+from lmops.runtime.tokenizer import encode, token_byte_lengths
 
 TEXT = "".join(f"print('line {i} → ok')\n" for i in range(300))
 

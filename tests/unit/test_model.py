@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lmops.errors import LmopsError
-from lmops.model import KVCache, Llama, LlamaConfig
+from lmops.runtime.model import KVCache, Llama, LlamaConfig
 
 CFG = LlamaConfig(
     vocab_size=320, n_layer=2, n_head=4, n_kv_heads=2, n_embd=64, intermediate_size=160, max_seq_len=64
@@ -77,12 +77,3 @@ def test_round_trip_and_bad_directories(model, tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(LmopsError, match="missing config.json"):
         Llama.from_pretrained(tmp_path)
-
-
-def test_sampling_defaults_travel_in_the_model_directory(model, tmp_path):
-    from lmops.tracking import predict_defaults
-
-    model.save_pretrained(tmp_path)
-    # What the pyfunc (and `lmops generate`, the evaluate samples) start from: unchanged values.
-    expected = {"max_tokens": 64, "temperature": 0.8, "top_k": 50, "top_p": 0.95, "seed": 1337}
-    assert predict_defaults(tmp_path) == expected

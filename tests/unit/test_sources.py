@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 import zstandard
 
-from lmops.config import DataConfig
-from lmops.data import get_data, read_documents
 from lmops.errors import LmopsError
+from lmops.pipeline.data import get_data, read_documents
+from lmops.pipeline.params import DataConfig
 
 ROWS = ["first row,\nwith a newline", 'second "quoted" row', "third row\tand a tab"]
 

@@ -3,10 +3,10 @@ import json
 import numpy as np
 import pytest
 
-from lmops.config import TokenizerConfig
 from lmops.errors import LmopsError
-from lmops.tokenize import read_tokens, save_tokenizer, tokenize, train_tokenizer
-from lmops.tokenizer import encode, load_tokenizer, token_byte_lengths
+from lmops.pipeline.params import TokenizerConfig
+from lmops.pipeline.tokenize_stage import read_tokens, save_tokenizer, tokenize, train_tokenizer
+from lmops.runtime.tokenizer import encode, load_tokenizer, token_byte_lengths
 
 TEXT = "".join(f"def function_{i}(x, y):\n    return x * {i} + y  # ünïcödé ✓\n\n" for i in range(400))
 

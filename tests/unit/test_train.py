@@ -4,11 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from lmops.checkpoint import load_checkpoint, save_checkpoint, weights_of
-from lmops.config import TrainConfig
 from lmops.errors import LmopsError
-from lmops.model import Llama, LlamaConfig
-from lmops.train import (
+from lmops.pipeline.checkpoint import load_checkpoint, save_checkpoint, weights_of
+from lmops.pipeline.params import TrainConfig
+from lmops.pipeline.train import (
     Progress,
     batch,
     deterministic_kernels,
@@ -17,6 +16,7 @@ from lmops.train import (
     make_optimizer,
     measure_peak_flops,
 )
+from lmops.runtime.model import Llama, LlamaConfig
 
 CFG = LlamaConfig(
     vocab_size=64, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, max_seq_len=8

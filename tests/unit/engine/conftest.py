@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from lmops.model import Llama
-from lmops.random_model import TINY, random_model_dir
+from lmops.pipeline.random_model import TINY, random_model_dir
+from lmops.runtime.model import Llama
 
 MAX_LEN = 256
 
@@ -75,7 +75,7 @@ def ref_model(model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from lmops.tokenizer import load_tokenizer
+    from lmops.runtime.tokenizer import load_tokenizer
 
     return load_tokenizer(model_dir)
 

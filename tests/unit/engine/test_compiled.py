@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmops.engine import LLMEngine, SamplingParams
-from lmops.engine import compiled as compiled_module
-from lmops.engine.config import EngineConfig
+from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.engine import compiled as compiled_module
+from lmops.runtime.engine.config import EngineConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -89,7 +89,7 @@ def test_lmops_compile_env_rejects_other_values(monkeypatch):
 
 
 def test_compiled_int8_matches_eager_int8(model_dir, prompts):
-    """The quantized weights (lmops.quantize) trace into the graph like float ones."""
+    """The quantized weights (lmops.runtime.quantize) trace into the graph like float ones."""
     engines = [
         LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=2, quantization="int8", compile=c)
         for c in (True, False)

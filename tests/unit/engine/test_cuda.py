@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmops.engine import LLMEngine, SamplingParams
-from lmops.model import KVCache, Llama
+from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.model import KVCache, Llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmops.engine import LLMEngine, SamplingParams
-from lmops.engine.config import EngineConfig
-from lmops.engine.kv_cache import KVPool
-from lmops.tokenizer import token_byte_lengths
+from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.engine.config import EngineConfig
+from lmops.runtime.engine.kv_cache import KVPool
+from lmops.runtime.tokenizer import token_byte_lengths
 
 ONE = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from lmops.engine import LLMEngine, PromptTooLongError, SamplingParams
-from lmops.engine.kv_cache import KVPool
 from lmops.errors import LmopsError
+from lmops.runtime.engine import LLMEngine, PromptTooLongError, SamplingParams
+from lmops.runtime.engine.kv_cache import KVPool
 
 
 @pytest.fixture(scope="module")

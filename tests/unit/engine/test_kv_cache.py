@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
-from lmops.engine.kv_cache import BlockManager, KVPool, block_hash
-from lmops.model import LlamaConfig
+from lmops.runtime.engine.kv_cache import BlockManager, KVPool, block_hash
+from lmops.runtime.model import LlamaConfig
 
 
 def seq(tokens, computed=0):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from lmops.engine import EngineLoop, LLMEngine, PromptTooLongError, QueueFullError, SamplingParams
+from lmops.runtime.engine import EngineLoop, LLMEngine, PromptTooLongError, QueueFullError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

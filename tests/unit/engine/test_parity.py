@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmops.engine import LLMEngine, SamplingParams
-from lmops.engine.kv_cache import KVPool
-from lmops.model import KVCache
+from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.engine.kv_cache import KVPool
+from lmops.runtime.model import KVCache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import lmops.quantize
-from lmops.engine import LLMEngine, SamplingParams
-from lmops.engine.config import EngineConfig
+import lmops.runtime.quantize
 from lmops.errors import LmopsError
-from lmops.model import Llama
-from lmops.quantize import GEMM_ROWS, Int8Linear, Int8Weight, quantize
+from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.engine.config import EngineConfig
+from lmops.runtime.model import Llama
+from lmops.runtime.quantize import GEMM_ROWS, Int8Linear, Int8Weight, quantize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -49,7 +49,7 @@ class _AtenOps(TorchDispatchMode):
 @pytest.mark.parametrize(("rows", "kernel"), [(1, True), (GEMM_ROWS - 1, True), (GEMM_ROWS, False)])
 def test_int8_linear_takes_the_kernel_below_gemm_rows_and_a_gemm_from_there(rows, kernel):
     """The int8 kernel is a matrix-vector one (slower than float32 at many rows, see
-    lmops.quantize): few rows go through it, more rows through one dequantized GEMM."""
+    lmops.runtime.quantize): few rows go through it, more rows through one dequantized GEMM."""
     torch.manual_seed(0)
     qw, x = Int8Weight.from_float(torch.randn(32, 64)), torch.randn(rows, 64)
     with _AtenOps() as seen:
@@ -74,7 +74,7 @@ def test_int8_engine_matches_full_recompute_of_the_int8_model(
     and greedy decoding stays close to the float model's (a sanity bound, not parity).
     One product path per run: the kernel and the GEMM round differently, and a full
     recompute's row count crosses GEMM_ROWS where the engine's decode steps do not."""
-    monkeypatch.setattr(lmops.quantize, "GEMM_ROWS", gemm_rows)
+    monkeypatch.setattr(lmops.runtime.quantize, "GEMM_ROWS", gemm_rows)
     int8_ref = quantize(Llama.from_pretrained(model_dir, "cpu", torch.float32), "int8")
     engine = LLMEngine.from_pretrained(model_dir, device="cpu", block_size=16, quantization="int8")
     assert isinstance(engine.model.lm_head, Int8Linear)
@@ -94,7 +94,7 @@ def test_unknown_quantization_is_a_clear_error(model_dir):
 
 
 def test_cli_generate_and_bench_take_quantization(model_dir):
-    from lmops import cli
+    from lmops.pipeline import cli
 
     for command in (["generate", "--prompt", "x"], ["bench"]):
         args = cli.build_parser().parse_args([*command, "--model", str(model_dir), "--quantization", "int8"])

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmops.engine import SamplingParams
-from lmops.engine.sampling import apply_penalties, sample
+from lmops.runtime.engine import SamplingParams
+from lmops.runtime.engine.sampling import apply_penalties, sample
 
 
 @pytest.mark.parametrize(
@@ -17,8 +17,9 @@ from lmops.engine.sampling import apply_penalties, sample
     [
         ("n", 0, ">= 1"),
         ("n", 1.5, ">= 1"),
-        ("temperature", -0.1, ">= 0"),
-        ("temperature", math.nan, ">= 0"),
+        ("temperature", -0.1, "[0, 2]"),
+        ("temperature", 2.5, "[0, 2]"),  # the API's cap, stated once here
+        ("temperature", math.nan, "[0, 2]"),
         ("top_p", 0.0, "(0, 1]"),
         ("top_p", 1.1, "(0, 1]"),
         ("top_k", -2, "0 / -1"),
@@ -31,6 +32,7 @@ from lmops.engine.sampling import apply_penalties, sample
         ("stop", 5, "non-empty"),
         ("stop_token_ids", [-1], "token ids"),
         ("seed", "7", "integer"),
+        ("seed", 2**63, "64-bit"),
         ("logprobs", 21, "[0, 20]"),
         ("logprobs", -1, "[0, 20]"),
         ("ignore_eos", 1, "bool"),
@@ -49,9 +51,10 @@ def test_valid_values_and_normalisation():
 
 
 def test_sampling_from_generation_config():
-    gen = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3, "max_new_tokens": 9}
-    p = SamplingParams.from_generation_config(gen, max_tokens=4, top_k=0)
-    assert (p.temperature, p.top_k, p.top_p, p.seed, p.max_tokens) == (0.7, 0, 0.9, 3, 4)
+    gen = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "max_new_tokens": 9}
+    p = SamplingParams.from_generation_config(gen, top_k=0)
+    assert (p.temperature, p.top_k, p.top_p, p.seed, p.max_tokens) == (0.7, 0, 0.9, None, 9)
+    assert SamplingParams.from_generation_config(gen, max_tokens=4).max_tokens == 4
     # As in transformers: without do_sample the model decodes greedily, whatever else it says.
     assert SamplingParams.from_generation_config({"temperature": 0.7}).greedy
     assert SamplingParams.from_generation_config({}, temperature=1.0).temperature == 1.0
@@ -166,7 +169,7 @@ def test_logprobs_are_raw_model_logprobs():
 
 @pytest.mark.parametrize("shape", [(3, 512), (40, 512), (40, 500)])
 def test_fast_argmax_matches_torch_including_ties(shape):
-    from lmops.engine.sampling import argmax
+    from lmops.runtime.engine.sampling import argmax
 
     x = torch.randint(0, 6, shape).float()  # many ties: the first maximum must win
     assert torch.equal(argmax(x), x.argmax(-1))

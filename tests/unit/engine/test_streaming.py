@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmops.engine import LLMEngine, SamplingParams
-from lmops.engine.sequence import IncrementalDetokenizer, held_back
+from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.engine.sequence import IncrementalDetokenizer, held_back
 
 # Characters absent from the fixture corpus: byte-level BPE spells each with 2-4 byte tokens.
 TEXT = "price: 5€, clef 𝄞 and ñ!"

@@ -1,0 +1,182 @@
+"""`lmops` entry point: one subcommand per pipeline stage, plus generate, bench and serve.
+
+Every user-fixable problem is an `LmopsError`: printed as one line, exit code 1,
+no traceback. Stages run from the repository root (paths are relative to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from lmops.errors import LmopsError
+from lmops.pipeline.params import PARAMS_FILE, load_params
+
+log = logging.getLogger("lmops")
+STAGES = ("get_data", "split", "tokenize", "train", "evaluate", "promote")
+
+
+def _run_stage(name: str, args: argparse.Namespace) -> None:
+    params = load_params(args.params)
+    if name == "get_data":
+        from lmops.pipeline.data import get_data
+
+        get_data(params.data)
+    elif name == "split":
+        from lmops.pipeline.data import split
+
+        split(params.split, params.model.max_seq_len)
+    elif name == "tokenize":
+        from lmops.pipeline.tokenize_stage import tokenize
+
+        tokenize(params.tokenizer, params.model.max_seq_len)
+    elif name == "train":
+        from lmops.pipeline.train import train
+
+        train(params)
+    elif name == "evaluate":
+        from lmops.pipeline.evaluate import evaluate
+
+        evaluate(params)
+    elif name == "promote":
+        from lmops.pipeline.promote import promote
+
+        promote(params, force=args.force)
+
+
+def _sampling(args: argparse.Namespace):
+    """The model's own sampling defaults (generation_config.json), the flags given on top."""
+    from lmops.runtime.model_dir import sampling_defaults
+
+    given = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed")}
+    return sampling_defaults(args.model, **{k: v for k, v in given.items() if v is not None})
+
+
+def _engine(args: argparse.Namespace, **settings):
+    """The engine on `--model`: EngineConfig's defaults, `--device`, `--quantization` and `settings` on top."""
+    from lmops.runtime.engine import LLMEngine
+
+    if args.device is not None:
+        settings["device"] = args.device
+    if args.quantization is not None:
+        settings["quantization"] = args.quantization
+    return LLMEngine.from_pretrained(args.model, **settings)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    """Stream one completion to stdout as the engine produces it."""
+    sampling = _sampling(args)
+    engine = _engine(args, max_num_seqs=1)
+    try:
+        engine.add_request("cli", args.prompt, sampling)
+    except ValueError as exc:
+        raise LmopsError(str(exc)) from None
+    print(args.prompt, end="", flush=True)
+    finished = None
+    while finished is None:
+        for out in engine.step():
+            print(out.outputs[0].delta_text, end="", flush=True)
+            finished = out if out.finished else None
+    print()
+    m = finished.metrics
+    log.info(
+        "%d tokens, TTFT %.1f ms, %.1f tokens/s, finish: %s",
+        m.num_generation_tokens,
+        1000 * m.ttft,
+        m.num_generation_tokens / max(m.e2e_latency, 1e-9),
+        finished.outputs[0].finish_reason,
+    )
+
+
+def _bench(args: argparse.Namespace) -> None:
+    """Quick engine throughput on a model directory: N concurrent requests, one table."""
+    import statistics
+
+    engine = _engine(args)
+    sampling = _sampling(args)
+    prompts = [f"def function_{i}(x):\n    " for i in range(args.requests)]
+    engine.generate(prompts[:1], sampling)  # warm-up
+    started = time.perf_counter()
+    outs = engine.generate(prompts, sampling)
+    elapsed = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = sorted(1000 * o.metrics.ttft for o in outs)
+    print(
+        f"requests {len(outs)}  output tokens {tokens}  wall {elapsed:.2f} s  "
+        f"throughput {tokens / elapsed:.0f} tok/s  TTFT p50 {statistics.median(ttft):.0f} ms  "
+        f"p95 {ttft[int(0.95 * (len(ttft) - 1))]:.0f} ms"
+    )
+
+
+def _serve(args: argparse.Namespace) -> None:
+    """Replace this process with the service (`python -m production_service.server`, which
+    becomes gunicorn): the pipeline does not import the service."""
+    os.environ.setdefault("LMOPS_MODEL_DIR", str(args.model.resolve()))
+    os.execv(sys.executable, [sys.executable, "-m", "production_service.server"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmops", description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default=PARAMS_FILE, help="params file (default: %(default)s)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for stage in STAGES:
+        p = sub.add_parser(stage, help=f"run the {stage} stage alone")
+        if stage == "promote":
+            p.add_argument("--force", action="store_true", help="promote even if the champion is better")
+    gen = sub.add_parser("generate", help="stream a completion from a model directory (the engine)")
+    gen.add_argument("--prompt", required=True)
+    bench = sub.add_parser("bench", help="engine throughput on a model directory (full suite: benchmarks/)")
+    bench.add_argument("--requests", type=int, default=32)
+    for p in (gen, bench):
+        p.add_argument("--model", type=Path, default=Path("production_service/model"))
+        for flag, kind in (
+            ("--max-tokens", int),
+            ("--temperature", float),
+            ("--top-k", int),
+            ("--top-p", float),
+            ("--seed", int),
+        ):
+            p.add_argument(flag, type=kind, help="default: the model's generation_config.json")
+        p.add_argument("--device", help="auto (default: CUDA when present), cpu, cuda, cuda:N")
+        p.add_argument("--quantization", choices=["int8"], help="int8: weight-only int8 (default: none)")
+    srv = sub.add_parser("serve", help="run the inference service (gunicorn) on a model directory")
+    srv.add_argument("--model", type=Path, default=Path("production_service/model"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("alembic", "mlflow", "urllib3", "httpx", "git"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    started = time.perf_counter()
+    try:
+        if args.command in STAGES:
+            _run_stage(args.command, args)
+        elif args.command == "generate":
+            _generate(args)
+        elif args.command == "bench":
+            _bench(args)
+        elif args.command == "serve":
+            _serve(args)
+    except LmopsError as exc:
+        print(f"lmops {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"lmops {args.command}: interrupted", file=sys.stderr)
+        return 130
+    if args.command in STAGES:
+        log.info("%s done in %.1f s", args.command, time.perf_counter() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

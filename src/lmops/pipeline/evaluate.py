@@ -1,0 +1,125 @@
+"""Test-split evaluation: loss, perplexity, bits per byte, sample completions.
+
+Bits per byte is the number comparable across tokenizers (and with character
+models such as nanoGPT's): total negative log-likelihood in bits divided by the
+UTF-8 bytes of the predicted tokens. The text is encoded with the model
+directory's own tokenizer, so any model (a champion trained on other data
+included) can be measured on the same test split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lmops import atomic
+from lmops.errors import LmopsError
+from lmops.pipeline import tracking
+from lmops.pipeline.params import EvaluateConfig, Params
+from lmops.pipeline.paths import METRICS_FILE, MODEL_DIR, PROCESSED_DIR, SAMPLES_FILE
+from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.model import Llama, resolve_device
+from lmops.runtime.model_dir import require_meta, sampling_defaults
+from lmops.runtime.tokenizer import encode, load_tokenizer, token_byte_lengths
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def score(model: Llama, tokenizer, text: str, cfg: EvaluateConfig) -> dict:
+    """NLL over non-overlapping max_seq_len windows of `text` (at most max_batches batches)."""
+    ids = encode(tokenizer, text)
+    if len(ids) < 2:
+        raise LmopsError("test split encodes to fewer than 2 tokens; nothing to evaluate")
+    window = min(model.config.max_seq_len, len(ids) - 1)
+    n_windows = min((len(ids) - 1) // window, cfg.max_batches * cfg.batch_size)
+    byte_len = token_byte_lengths(tokenizer)
+    device = next(model.parameters()).device
+    nll, n_tokens, n_bytes = 0.0, 0, 0
+    for start in range(0, n_windows, cfg.batch_size):
+        rows = range(start, min(start + cfg.batch_size, n_windows))
+        xy = torch.from_numpy(np.stack([ids[i * window : i * window + window + 1] for i in rows])).to(device)
+        logits, _ = model(xy[:, :-1])
+        targets = xy[:, 1:]
+        nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
+        n_tokens += targets.numel()
+        n_bytes += int(byte_len[targets.cpu().numpy()].sum())
+    loss = nll / n_tokens
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "bits_per_byte": nll / math.log(2) / max(n_bytes, 1),
+        "tokens": n_tokens,
+        "bytes": n_bytes,
+    }
+
+
+def evaluate_dir(model_dir: Path, text: str, cfg: EvaluateConfig, device: str = "auto") -> dict:
+    model = Llama.from_pretrained(model_dir, device=resolve_device(device))
+    return score(model, load_tokenizer(model_dir), text, cfg)
+
+
+def read_test_split(data_dir: Path = PROCESSED_DIR) -> tuple[str, str]:
+    """The test split's text and its sha256 (what makes two measurements comparable)."""
+    path = data_dir / "test.txt"
+    if not path.is_file():
+        raise LmopsError(f"{path} not found: run `lmops split` first")
+    raw = path.read_bytes()
+    return raw.decode("utf-8"), hashlib.sha256(raw).hexdigest()
+
+
+def sample_completions(
+    engine: LLMEngine, prompts: list[str], sampling: SamplingParams
+) -> list[tuple[str, str]]:
+    """(prompt, completion) pairs from the inference engine."""
+    outs = engine.generate(list(prompts), sampling)
+    return [(prompt, out.text) for prompt, out in zip(prompts, outs, strict=True)]
+
+
+def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCESSED_DIR) -> dict:
+    cfg = params.evaluate
+    meta = require_meta(model_dir)
+    text, test_sha = read_test_split(data_dir)
+    # One load: the engine's model also scores the test split.
+    # A handful of samples does not repay compiling the decode step (engine/compiled.py).
+    engine = LLMEngine.from_pretrained(
+        model_dir, device=params.train.device, max_num_seqs=len(cfg.prompts), compile=False
+    )
+    result = score(engine.model, engine.tokenizer, text, cfg)
+    metrics = {f"test_{k}": v for k, v in result.items()}
+    metrics["val_loss"] = meta.metrics.get("val_loss")
+    metrics["test_split_sha256"] = test_sha
+
+    # The model's own sampling defaults, as `lmops generate`, the pyfunc and the API use them,
+    # seeded so that the stage's output is reproducible.
+    s = sampling_defaults(model_dir, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    samples = sample_completions(engine, cfg.prompts, s)
+    lines = [
+        f"# Samples (temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
+        f"seed {s.seed}, run {meta.run_id})",
+        "",
+    ]
+    for prompt, completion in samples:
+        lines += [f"## `{prompt}`", "", "```python", prompt + completion, "```", ""]
+    atomic.write_text(SAMPLES_FILE, "\n".join(lines))
+    atomic.write_json(METRICS_FILE, metrics)
+
+    if meta.run_id:
+        tracking.configure(params.mlflow)
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        tracking.log_metrics(meta.run_id, numeric)
+        tracking.client().log_artifact(meta.run_id, str(SAMPLES_FILE))
+        tracking.client().log_artifact(meta.run_id, str(METRICS_FILE))
+    log.info(
+        "test: loss %.4f, ppl %.2f, %.4f bits/byte",
+        result["loss"],
+        result["perplexity"],
+        result["bits_per_byte"],
+    )
+    return metrics

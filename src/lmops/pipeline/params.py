@@ -1,0 +1,219 @@
+"""params.yaml -> typed, validated config objects.
+
+Every knob of the pipeline lives in params.yaml; this module is the only place
+that reads it. Unknown keys and wrong types stop with a message naming the key
+and the expected type, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lmops.errors import LmopsError
+from lmops.runtime.model_config import LlamaShape
+
+PARAMS_FILE = "params.yaml"
+log = logging.getLogger(__name__)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+Fraction = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class DataConfig(_Section):
+    # python-stdlib, a file, a directory, a glob, or a file:// https:// s3:// az:// gs:// URL
+    source: str = "python-stdlib"
+    format: Literal["auto", "text", "jsonl", "csv", "parquet"] = "auto"  # auto = from the extension
+    text_field: Annotated[str, Field(min_length=1)] = "text"  # the column/key of jsonl, csv, parquet
+    encoding_errors: Literal["strict", "replace"] = "strict"
+    document_unit: Literal["auto", "file", "row", "paragraph", "line", "chunk"] = "auto"
+    chunk_bytes: PositiveInt = 4096
+    max_bytes: PositiveInt | None = None
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+
+
+class SplitConfig(_Section):
+    # random: seeded, by document; tail: the last bytes of the corpus, in source order
+    # (val, then test), what time-ordered data needs and nanoGPT's split.
+    method: Literal["random", "tail"] = "random"
+    val_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.05
+    test_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.05
+    seed: int = 1337
+
+    @model_validator(mode="after")
+    def _leave_room_for_train(self) -> SplitConfig:
+        if self.val_fraction + self.test_fraction >= 1.0:
+            raise ValueError("val_fraction + test_fraction must be < 1 (nothing left to train on)")
+        return self
+
+
+class TokenizerConfig(_Section):
+    # 256 byte symbols + special tokens is the floor of a byte-level BPE.
+    vocab_size: Annotated[int, Field(ge=260, le=65535)] = 4096
+    min_frequency: PositiveInt = 2
+
+
+class ModelConfig(LlamaShape, _Section):
+    """The `model` section is the model's shape (`lmops.runtime.model_config.LlamaShape`): fields, defaults
+    and checks are defined there once; the tokenizer adds the vocabulary at train time."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rename_block_size(cls, raw: Any) -> Any:
+        """`model.block_size` was the context length; `block_size` now means KV-cache pages only."""
+        if isinstance(raw, dict) and "block_size" in raw:
+            if "max_seq_len" in raw:
+                raise ValueError("give model.max_seq_len only (model.block_size is its deprecated name)")
+            log.warning("params: model.block_size is deprecated; rename it to model.max_seq_len")
+            raw = {("max_seq_len" if k == "block_size" else k): v for k, v in raw.items()}
+        return raw
+
+
+class TrainConfig(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 1337
+    max_steps: PositiveInt = 900
+    batch_size: PositiveInt = 16
+    grad_accum_steps: PositiveInt = 1
+    learning_rate: Annotated[float, Field(gt=0)] = 3e-3
+    min_lr: Annotated[float, Field(ge=0)] = 3e-4
+    warmup_steps: Annotated[int, Field(ge=0)] = 40
+    # After warmup: cosine decay to min_lr at max_steps, or (plateau) learning_rate times
+    # lr_plateau_factor after every lr_plateau_patience evaluations without a lower validation
+    # loss, down to min_lr. Under plateau nothing depends on max_steps, so a longer run passes
+    # through every state of a shorter one and, with keep_best, is never worse.
+    lr_schedule: Literal["cosine", "plateau"] = "cosine"
+    lr_plateau_patience: PositiveInt = 1
+    lr_plateau_factor: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    beta1: Fraction = 0.9
+    beta2: Fraction = 0.95
+    grad_clip: Annotated[float, Field(ge=0)] = 1.0
+    eval_interval: PositiveInt = 50
+    eval_batches: PositiveInt = 8
+    # Export (and register) the weights with the lowest validation loss seen, not the last ones.
+    keep_best: bool = True
+    # Stop after this many evaluations without a lower validation loss; null = never stop early.
+    early_stopping_patience: PositiveInt | None = None
+    checkpoint_interval: PositiveInt = 100
+    log_interval: PositiveInt = 10
+    threads: Annotated[int, Field(ge=0)] = 0  # 0 = torch default
+    # torch.compile the training step (inductor: needs a C++ compiler on CPU, else eager).
+    compile: bool = True
+    # auto = bfloat16 autocast where matrix products run natively in it, else float32.
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
+
+    @model_validator(mode="after")
+    def _lr_order(self) -> TrainConfig:
+        if self.min_lr > self.learning_rate:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed learning_rate ({self.learning_rate})")
+        return self
+
+
+class EvaluateConfig(_Section):
+    max_batches: PositiveInt = 40
+    batch_size: PositiveInt = 16
+    prompts: list[str] = ["def ", "class ", "import "]
+    max_new_tokens: PositiveInt = 64  # sampling itself: the model's generation_config.json
+    seed: int = 1337  # of the samples, so the stage's output is reproducible
+
+
+class PromoteConfig(_Section):
+    model_name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "lmops"
+    alias: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_-]+$")] = "champion"
+    export_dir: str = "production_service/model"
+
+
+class MlflowConfig(_Section):
+    experiment: Annotated[str, Field(min_length=1)] = "lmops"
+    tracking_uri: str = "sqlite:///mlflow.db"
+    artifact_location: str = "artifacts/mlruns"
+
+
+class Params(_Section):
+    data: DataConfig = DataConfig()
+    split: SplitConfig = SplitConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    promote: PromoteConfig = PromoteConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+
+
+def _field_at(loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, str | None]:
+    """The section model holding the key at `loc`, and that key (None when unknown)."""
+    section: type[BaseModel] = Params
+    for key in loc[:-1]:
+        field = section.model_fields.get(str(key))
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return None, None
+        section = field.annotation
+    return section, str(loc[-1]) if loc else None
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _type_name(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(annotation)[0])}"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = tuple(err["loc"])
+    dotted = ".".join(str(p) for p in loc) or "(top level)"
+    section, key = _field_at(loc)
+    if err["type"] == "extra_forbidden":
+        known = list(section.model_fields) if section else []
+        hint = difflib.get_close_matches(key or "", known, n=1)
+        suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
+        return f"unknown key '{dotted}'{suggestion}; known keys here: {', '.join(known)}"
+    if section is not None and key in section.model_fields:
+        expected = _type_name(section.model_fields[key].annotation)
+        return f"'{dotted}': {err['msg']} (expected {expected}, got {err.get('input')!r})"
+    return f"'{dotted}': {err['msg']}"
+
+
+def parse_params(raw: Any, origin: str = PARAMS_FILE) -> Params:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise LmopsError(f"{origin}: expected a mapping of sections, got {type(raw).__name__}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(_describe(e) for e in exc.errors())
+        raise LmopsError(f"{origin}: {problems}") from None
+
+
+def load_params(path: str | Path = PARAMS_FILE) -> Params:
+    path = Path(path)
+    if not path.is_file():
+        raise LmopsError(f"{path}: params file not found (run from the repository root)")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise LmopsError(f"{path}: not valid YAML: {exc}") from None
+    return parse_params(raw, str(path))

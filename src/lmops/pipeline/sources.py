@@ -1,0 +1,264 @@
+"""Where a corpus comes from and how its files read as text (get_data's input side).
+
+A source is the python standard library, or a file, a directory or a glob, as a
+local path or an fsspec URL (file://, s3://, az://, gs://; https:// is one file).
+Files are taken in sorted order; each reads as a `SourceFile`: one text, or one
+text per row of a table (JSONL, CSV/TSV, Parquet: the `data.text_field`).
+`.gz` and `.zst` files are decompressed first; the format comes from the
+extension under the compression one, unless `data.format` names it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import os
+import posixpath
+import sys
+import sysconfig
+import warnings
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from lmops.errors import LmopsError
+from lmops.pipeline.params import DataConfig
+
+log = logging.getLogger(__name__)
+
+STDLIB = "python-stdlib"
+FILE_HEADER = "# <|file|> "
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+_FSSPEC_SCHEMES = ("file", "s3", "az", "abfs", "gs", "gcs")
+_EXTRAS = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
+_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "csv", ".tab": "csv"}
+_FORMATS |= {".parquet": "parquet", ".pq": "parquet"}
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    name: str
+    format: str  # text | jsonl | csv | parquet
+    texts: list[str]  # the whole text, or one per row of a table
+    replaced: int = 0  # undecodable byte sequences replaced by U+FFFD (encoding_errors: replace)
+
+    @property
+    def is_table(self) -> bool:
+        return self.format != "text"
+
+
+Loader = Callable[[], bytes]
+
+
+def stdlib_files() -> list[tuple[str, Loader]]:
+    """The running interpreter's standard library `.py` sources, sorted, no tests.
+
+    Each file's text starts with a `FILE_HEADER` line naming it, so a model sees
+    where one module ends and the next begins.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        rel = path.relative_to(root)
+        if _SKIP_DIRS.intersection(rel.parts[:-1]) or rel.name.startswith("test_"):
+            continue
+        header = f"{FILE_HEADER}{rel.as_posix()}\n".encode()
+        files.append((f"{STDLIB}/{rel.as_posix()}", lambda p=path, h=header: h + p.read_bytes()))
+    return files
+
+
+def stdlib_origin() -> str:
+    return f"{STDLIB} ({sys.version.split()[0]})"
+
+
+def list_files(source: str) -> list[tuple[str, Loader]]:
+    """(name, loader) of every file of `source`, in sorted order."""
+    if source == STDLIB:
+        return stdlib_files()
+    scheme = urlparse(source).scheme
+    if scheme in ("http", "https"):
+        return [(source, lambda: _http_get(source))]
+    if scheme and scheme not in _FSSPEC_SCHEMES:
+        raise LmopsError(
+            f"data.source: unsupported source {source!r}; use python-stdlib, a path, "
+            "file://, https://, s3://, az:// or gs://"
+        )
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(source if scheme else os.path.expanduser(source))
+        if any(c in path for c in "*?["):
+            root = path[: min(path.find(c) for c in "*?[" if c in path)].rpartition("/")[0]
+            paths = [p for p in fs.glob(path) if fs.isfile(p)]
+            what = f"glob {source!r} matched no files"
+        elif fs.isdir(path):
+            root, paths, what = path, fs.find(path), f"directory {source} has no files"
+        elif fs.isfile(path):
+            root, paths, what = None, [path], ""  # named explicitly: read even if a dot file
+        else:
+            raise LmopsError(f"data.source: no such file: {source}")
+    except ImportError as exc:
+        raise LmopsError(
+            f"data.source: {scheme}:// needs an optional extra: "
+            f"pip install 'lmops[{_EXTRAS.get(scheme, 'azure')}]' ({exc})"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise LmopsError(f"data.source: could not read {source}: {exc}") from None
+    if root is not None:
+        paths = sorted(p for p in paths if not _hidden(posixpath.relpath(p, root or "/")))
+    if not paths:
+        raise LmopsError(f"data.source: {what}")
+
+    def name(p: str) -> str:
+        if scheme:
+            return fs.unstrip_protocol(p)
+        return p if os.path.isabs(source) else os.path.relpath(p)
+
+    def load(p: str) -> bytes:
+        try:
+            return fs.cat_file(p)
+        except (OSError, ValueError) as exc:
+            raise LmopsError(f"data.source: could not read {name(p)}: {exc}") from None
+
+    return [(name(p), lambda p=p: load(p)) for p in paths]
+
+
+def _hidden(rel: str) -> bool:
+    """Dot files and dot directories (.git, .DS_Store) are never corpus."""
+    return any(part.startswith(".") and part not in (".", "..") for part in rel.split("/"))
+
+
+def _http_get(url: str) -> bytes:
+    import requests
+
+    try:
+        resp = requests.get(url, timeout=60)
+        resp.raise_for_status()
+    except requests.RequestException as exc:
+        raise LmopsError(f"data.source: could not fetch {url}: {exc}") from None
+    return resp.content
+
+
+def decode_utf8(raw: bytes, origin: str, errors: str = "strict") -> tuple[str, int]:
+    """The text and how many undecodable sequences became U+FFFD (only with errors='replace')."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError as exc:
+        if errors == "replace":
+            text = raw.decode("utf-8", errors="replace")
+            return text, text.count("\ufffd") - raw.count("\ufffd".encode())
+        line = raw.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise LmopsError(
+            f"{origin}: not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+            f"(line {line}, column {col}) {exc.reason}; data.encoding_errors: replace reads it anyway"
+        ) from None
+
+
+def _decompress(name: str, data: bytes) -> tuple[str, bytes]:
+    """The file's name without its compression extension, and its plain bytes."""
+    path = urlparse(name).path.lower() if "://" in name else name.lower()
+    if path.endswith(".gz"):
+        try:
+            return path[:-3], gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise LmopsError(f"{name}: not valid gzip: {exc}") from None
+    if path.endswith(".zst"):
+        import zstandard
+
+        try:
+            return path[:-4], zstandard.ZstdDecompressor().decompressobj().decompress(data)
+        except zstandard.ZstdError as exc:
+            raise LmopsError(f"{name}: not valid zstandard: {exc}") from None
+    return path, data
+
+
+def read_file(name: str, data: bytes, cfg: DataConfig) -> SourceFile:
+    plain, data = _decompress(name, data)
+    fmt = cfg.format if cfg.format != "auto" else _FORMATS.get(posixpath.splitext(plain)[1], "text")
+    if fmt == "parquet":
+        return SourceFile(name, fmt, _parquet_rows(name, data, cfg.text_field))
+    text, replaced = decode_utf8(data, name, cfg.encoding_errors)
+    if fmt == "jsonl":
+        rows = _jsonl_rows(name, text, cfg.text_field)
+    elif fmt == "csv":
+        rows = _csv_rows(name, text, cfg.text_field, "\t" if plain.endswith((".tsv", ".tab")) else ",")
+    else:
+        rows = [text]
+    return SourceFile(name, fmt, rows, replaced)
+
+
+def _missing_field(name: str, where: str, field: str, existing: list[str]) -> LmopsError:
+    return LmopsError(
+        f"{name}: {where} has no field {field!r} (data.text_field); "
+        f"its fields: {', '.join(map(str, existing)) or 'none'}"
+    )
+
+
+def _jsonl_rows(name: str, text: str, field: str) -> list[str]:
+    """One text per line. Parsed line by line (not pandas) to name the line that fails."""
+    rows = []
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise LmopsError(
+                f"{name}: line {number} is not valid JSON: {exc.msg} (column {exc.colno})"
+            ) from None
+        if not isinstance(obj, dict):
+            raise LmopsError(f"{name}: line {number} is a JSON {type(obj).__name__}, not an object")
+        if field not in obj:
+            raise _missing_field(name, f"line {number}", field, list(obj))
+        rows.append(_text_value(obj[field], f"{name}: line {number}: {field!r}"))
+    return rows
+
+
+def _text_value(value: object, where: str) -> str:
+    if value is None:
+        return ""  # an empty document: dropped and counted
+    if not isinstance(value, str):
+        raise LmopsError(f"{where} is a {type(value).__name__}, not a string")
+    return value
+
+
+def _csv_rows(name: str, text: str, field: str, sep: str) -> list[str]:
+    import pandas as pd
+
+    try:
+        with warnings.catch_warnings():  # a row longer than the header: an error, not lost fields
+            warnings.simplefilter("error", pd.errors.ParserWarning)
+            frame = pd.read_csv(io.StringIO(text), sep=sep, dtype=str, keep_default_na=False, index_col=False)
+    except pd.errors.EmptyDataError:
+        return []
+    except (pd.errors.ParserError, pd.errors.ParserWarning, ValueError) as exc:
+        raise LmopsError(f"{name}: not valid {'TSV' if sep == chr(9) else 'CSV'}: {_one_line(exc)}") from None
+    if field not in frame.columns:
+        raise _missing_field(name, "the header", field, list(frame.columns))
+    return frame[field].tolist()
+
+
+def _parquet_rows(name: str, data: bytes, field: str) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(io.BytesIO(data))
+        names = table.schema_arrow.names
+        if field not in names:
+            raise _missing_field(name, "the schema", field, names)
+        column = table.read(columns=[field]).column(field)
+    except (pa.ArrowException, OSError) as exc:
+        raise LmopsError(f"{name}: not valid Parquet: {_one_line(exc)}") from None
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise LmopsError(f"{name}: column {field!r} is {column.type}, not a string")
+    return [v or "" for v in column.to_pylist()]
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())

@@ -1,0 +1,247 @@
+"""MLflow: where runs go, what each stage logs, the registry and promotion.
+
+Tracking defaults to `sqlite:///mlflow.db` with artifacts under artifacts/mlruns;
+`MLFLOW_TRACKING_URI` switches to a server. The model is logged without pickle:
+a models-from-code pyfunc (`lmops/mlflow_pyfunc.py`) around the safetensors
+model directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from lmops.errors import LmopsError
+from lmops.pipeline.params import MlflowConfig, Params
+from lmops.pipeline.paths import DATA_REPORT_FILE
+from lmops.runtime.model_dir import sampling_defaults
+
+log = logging.getLogger(__name__)
+
+LMOPS_PACKAGE = Path(__file__).resolve().parents[1]  # src/lmops, shipped with the pyfunc
+PYFUNC_FILE = LMOPS_PACKAGE / "runtime" / "mlflow_pyfunc.py"
+MODEL_ARTIFACT = "model"
+# What the pyfunc's runtime imports (lmops.runtime: never the pipeline's dependencies).
+PYFUNC_DEPENDENCIES = ("torch", "numpy", "tokenizers", "safetensors", "pydantic", "prometheus-client")
+
+
+def _mlflow():
+    # Imported lazily: mlflow takes ~2 s to import and most commands never need it.
+    import mlflow
+
+    return mlflow
+
+
+def tracking_uri(cfg: MlflowConfig) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
+
+
+@contextlib.contextmanager
+def store_errors(uri: str) -> Iterator[None]:
+    """Turn MLflow store failures into one-line `LmopsError`s.
+
+    A store locked by another process (sqlite) is already waited on: MLflow sets
+    SQLite's busy timeout to 20 s, which retries until the lock is released. Past
+    that, MLflow logs the SQLAlchemy traceback and raises; the user gets one line.
+    """
+    mlflow = _mlflow()
+    if not log.isEnabledFor(logging.DEBUG):  # `lmops -v` still shows MLflow's traceback
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+    try:
+        yield
+    except mlflow.exceptions.MlflowException as exc:
+        first = str(exc.message).strip().splitlines()[0] if str(exc.message).strip() else exc.error_code
+        if "database is locked" in first:
+            raise LmopsError(
+                f"MLflow tracking store {uri} is locked by another process (still locked after "
+                "20 s): run the command again when it is free"
+            ) from None
+        raise LmopsError(f"MLflow tracking at {uri}: {first}") from None
+
+
+def configure(cfg: MlflowConfig) -> str:
+    """Point MLflow at the tracking store; return the experiment id (created if needed)."""
+    mlflow = _mlflow()
+    uri = tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)
+    with store_errors(uri):
+        exp = mlflow.get_experiment_by_name(cfg.experiment)
+        if exp is not None:
+            return exp.experiment_id
+        local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
+        location = Path(cfg.artifact_location).resolve().as_uri() if local else None
+        return mlflow.create_experiment(cfg.experiment, artifact_location=location)
+
+
+def client():
+    return _mlflow().MlflowClient()
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _flatten(params: Params) -> dict[str, str]:
+    flat = {}
+    for section, values in params.model_dump().items():
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = json.dumps(value) if isinstance(value, list) else str(value)
+    return flat
+
+
+def start_training_run(params: Params, run_id: str | None, data_sha256: str | None):
+    """A new run, or the interrupted one a resumed training continues."""
+    experiment_id = configure(params.mlflow)
+    c = client()
+    if run_id:
+        try:
+            c.update_run(run_id, status="RUNNING")
+            return c.get_run(run_id)
+        except _mlflow().exceptions.MlflowException:
+            log.warning(
+                "run %s of the checkpoint is gone from the tracking store; starting a new run", run_id
+            )
+    tags = {
+        "git_commit": git_commit(),
+        "data_sha256": data_sha256 or "unknown",
+        "stage": "train",
+        "mlflow.runName": f"train-{time.strftime('%Y%m%d-%H%M%S')}",
+    }
+    return c.create_run(experiment_id, tags=tags)
+
+
+def log_params_once(params: Params, run_id: str, extra: dict) -> None:
+    c = client()
+    logged = c.get_run(run_id).data.params
+    Param = _mlflow().entities.Param
+    todo = {**_flatten(params), **{k: str(v) for k, v in extra.items()}}
+    batch = [Param(k, v) for k, v in todo.items() if k not in logged]
+    for i in range(0, len(batch), 100):
+        c.log_batch(run_id, params=batch[i : i + 100])
+
+
+def log_data_report(run_id: str, path: Path = DATA_REPORT_FILE) -> None:
+    """The data checks of the corpus this run trains on (written by `lmops split`), beside its numbers."""
+    if not path.is_file():
+        return
+    report = json.loads(path.read_text())
+    client().log_dict(run_id, report, "data_report.json")
+    counts = ("documents", "bytes", "empty_documents_dropped", "duplicates_merged")
+    log_metrics(run_id, {f"data_{k}": report.get(k) for k in counts})
+
+
+def log_metrics(run_id: str, metrics: dict[str, float | None], step: int = 0) -> None:
+    Metric = _mlflow().entities.Metric
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+    client().log_batch(run_id, metrics=batch)
+
+
+def log_step(run_id: str, row: dict) -> None:
+    log_metrics(run_id, {k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+
+
+def predict_signature(model_dir: Path):
+    """The pyfunc's signature: a column of prompts in, a column of completions out, and the
+    sampling params predict() takes, whose defaults are the model's own (generation_config.json;
+    no seed: a fresh draw unless the caller gives one)."""
+    from mlflow.models import ModelSignature, infer_signature
+    from mlflow.types import ParamSchema, ParamSpec
+
+    s = sampling_defaults(model_dir)
+    io = infer_signature(["def "], ["completion"])
+    params = [
+        ParamSpec("max_tokens", "long", s.max_tokens),
+        ParamSpec("temperature", "double", float(s.temperature)),
+        ParamSpec("top_k", "long", s.top_k),
+        ParamSpec("top_p", "double", float(s.top_p)),
+        ParamSpec("seed", "long", None),
+    ]
+    return ModelSignature(inputs=io.inputs, outputs=io.outputs, params=ParamSchema(params))
+
+
+def log_model(run_id: str, model_dir: Path) -> None:
+    """Log the model directory as a pickle-free pyfunc (models from code) with the lmops package."""
+    from importlib.metadata import version
+
+    mlflow = _mlflow()
+    with mlflow.start_run(run_id=run_id):
+        mlflow.pyfunc.log_model(
+            signature=predict_signature(model_dir),
+            name=MODEL_ARTIFACT,
+            python_model=str(PYFUNC_FILE),
+            artifacts={"model_dir": str(model_dir)},
+            code_paths=[str(LMOPS_PACKAGE)],
+            pip_requirements=[f"{dist}=={version(dist).split('+')[0]}" for dist in PYFUNC_DEPENDENCIES],
+        )
+
+
+def set_tags(run_id: str, tags: dict[str, str]) -> None:
+    RunTag = _mlflow().entities.RunTag
+    client().log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+def end_run(run_id: str, status: str = "FINISHED") -> None:
+    client().set_terminated(run_id, status=status)
+
+
+# -- registry and promotion ---------------------------------------------------------
+
+
+def champion_version(name: str, alias: str):
+    """The version `alias` points at; None only when the model or the alias does not
+    exist (any other failure, e.g. a locked store, is raised, never read as "no champion")."""
+    mlflow = _mlflow()
+    try:
+        return client().get_model_version_by_alias(name, alias)
+    except mlflow.exceptions.MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def logged_model_uri(run_id: str) -> str:
+    """`models:/<model_id>` of the pyfunc the training run logged."""
+    c = client()
+    run = c.get_run(run_id)
+    found = c.search_logged_models(
+        [run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'", max_results=1
+    )
+    if not found:
+        raise LmopsError(f"run {run_id} logged no model: run `lmops train` again")
+    return found[0].model_uri
+
+
+def register(name: str, run_id: str, tags: dict[str, str]):
+    """The registry version of this run's model, created on first promotion attempt."""
+    mlflow = _mlflow()
+    c = client()
+    try:
+        c.get_registered_model(name)
+    except mlflow.exceptions.MlflowException:
+        c.create_registered_model(name, description="lmops Llama-style LM; @champion is what serves")
+    existing = c.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    if existing:
+        version = existing[0]
+        for key, value in tags.items():
+            c.set_model_version_tag(name, version.version, key, value)
+        return version
+    return mlflow.register_model(logged_model_uri(run_id), name, tags=tags)

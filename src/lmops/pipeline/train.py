@@ -1,0 +1,518 @@
+"""Training loop: AdamW, warmup then cosine or plateau LR, grad accumulation and clipping,
+bf16 autocast where the hardware has it, a compiled step, DDP under torchrun,
+checkpoints and exact resume.
+
+Determinism is by construction: the batch of (step, micro-step, rank) is drawn
+from an RNG seeded with exactly those numbers, so "data position" is just the
+step counter, and a run killed at any point and resumed from its last
+checkpoint replays the same batches and ends with the same weights (bit for bit
+on CPU, where torch's deterministic mode is on; on CUDA to rounding, since its
+attention backward and cuBLAS accumulate in no fixed order).
+
+The exported model is the best one seen, not the last (`train.keep_best`): the
+lowest validation loss at any evaluation, whose weights ride along in every
+checkpoint so resume picks the same step; `train.early_stopping_patience` ends
+the run once validation has stopped improving.
+
+Structure: `_setup` builds a `Run` (everything the run works with) and its
+`Progress` (what a checkpoint saves); `_loop` calls `_train_step`, `_evaluate`
+and `_checkpoint`; `_finish` exports and closes the MLflow run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from lmops import atomic, crash_points
+from lmops.errors import LmopsError
+from lmops.pipeline import tracking
+from lmops.pipeline.checkpoint import fingerprint, load_checkpoint, load_weights, save_checkpoint, weights_of
+from lmops.pipeline.params import Params, TrainConfig
+from lmops.pipeline.paths import (
+    CHECKPOINT_DIR,
+    MANIFEST_FILE,
+    MODEL_DIR,
+    PROCESSED_DIR,
+    TOKENIZER_DIR,
+    TRAIN_LOG_FILE,
+)
+from lmops.pipeline.tokenize_stage import read_tokens
+from lmops.runtime.model import Llama, LlamaConfig, bf16_native, resolve_device
+from lmops.runtime.model_dir import ModelMeta, write_model_dir
+
+log = logging.getLogger(__name__)
+
+LOG_COLUMNS = ("step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_sec", "mfu")
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def deterministic_kernels(device: torch.device) -> None:
+    """On CPU, torch's deterministic mode. The compiled step's embedding backward is a
+    scatter-add that inductor writes with atomics across threads, so two runs differ in
+    the last bits and drift apart; in deterministic mode inductor calls ATen's ordered
+    kernel instead (no measurable cost on CPU), which makes resume, and a longer run, exact."""
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True)
+
+
+def setup_distributed(device: torch.device) -> Dist:
+    if "RANK" not in os.environ:
+        return Dist()
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return Dist(dist.get_rank(), dist.get_world_size())
+
+
+def lr_at(step: int, cfg: TrainConfig, plateau_decays: int = 0) -> float:
+    """Linear warmup to learning_rate; then cosine decay to min_lr at max_steps, or (plateau)
+    learning_rate * lr_plateau_factor ** plateau_decays, down to min_lr."""
+    if step < cfg.warmup_steps:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "plateau":
+        return plateau_lr(cfg, plateau_decays)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.learning_rate - cfg.min_lr)
+
+
+def plateau_lr(cfg: TrainConfig, decays: int) -> float:
+    """The plateau schedule's rate after `decays` cuts."""
+    return max(cfg.min_lr, cfg.learning_rate * cfg.lr_plateau_factor**decays)
+
+
+def batch(
+    tokens: np.ndarray, window: int, size: int, seed: tuple[int, ...], device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`size` random windows of `window` tokens and their next-token targets."""
+    if len(tokens) <= window + 1:
+        raise LmopsError(f"split has {len(tokens)} tokens, fewer than model.max_seq_len + 2 = {window + 2}")
+    starts = np.random.default_rng(seed).integers(0, len(tokens) - window - 1, size)
+    rows = np.stack([tokens[s : s + window + 1].astype(np.int64) for s in starts])
+    xy = torch.from_numpy(rows).to(device)
+    return xy[:, :-1], xy[:, 1:]
+
+
+def resolve_precision(name: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype of the matrix products. `auto` picks bfloat16 where they run
+    natively in it (`bf16_native`), else float32. Weights, optimizer state and the loss
+    stay float32."""
+    if name == "auto":
+        return torch.bfloat16 if bf16_native(device) else torch.float32
+    return getattr(torch, name)
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Mixed precision for the forward pass (none for float32)."""
+    return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """Dense matmul FLOP/s on this device: the denominator of our MFU estimate.
+
+    Draws from its own generator: the global RNG drives dropout, and a resumed run
+    must see the same stream as an uninterrupted one.
+    """
+    n = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(0))
+    a @ a  # warm-up
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.3:
+        a @ a
+        reps += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def make_optimizer(model: Llama, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms), as in nanoGPT. The fused
+    kernel on CUDA; on CPU the default (foreach) one measured as fast as fused."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"
+    )
+
+
+@torch.no_grad()
+def estimate_val_loss(model, tokens: np.ndarray, cfg: TrainConfig, window: int, device) -> float:
+    """Mean next-token loss over non-overlapping windows spread evenly across the validation
+    split (all of it when eval_batches x batch_size windows cover it), the same windows every
+    time, in float32: keep_best selects on the numbers the exported model is scored with."""
+    available = (len(tokens) - 1) // window
+    if available < 1:
+        raise LmopsError(
+            f"val split has {len(tokens)} tokens, fewer than model.max_seq_len + 1 = {window + 1}"
+        )
+    n_windows = min(available, cfg.eval_batches * cfg.batch_size)
+    starts = np.linspace(0, available - 1, n_windows).round().astype(np.int64) * window
+    model.eval()
+    loss_sum = 0.0
+    for first in range(0, n_windows, cfg.batch_size):
+        rows = np.stack(
+            [tokens[s : s + window + 1].astype(np.int64) for s in starts[first : first + cfg.batch_size]]
+        )
+        xy = torch.from_numpy(rows).to(device)
+        loss_sum += model(xy[:, :-1], xy[:, 1:])[1].item() * len(rows)
+    model.train()
+    return loss_sum / n_windows
+
+
+def write_log(rows: list[dict], path: Path = TRAIN_LOG_FILE) -> None:
+    lines = [",".join(LOG_COLUMNS)]
+    lines += [",".join("" if r.get(c) is None else f"{r[c]:.6g}" for c in LOG_COLUMNS) for r in rows]
+    atomic.write_text(path, "\n".join(lines) + "\n")
+
+
+@dataclass
+class Progress:
+    """Where a run stands. Saved in every checkpoint, so a resumed run continues exactly."""
+
+    step: int = 0
+    tokens: int = 0
+    run_id: str | None = None
+    history: list[dict] = field(default_factory=list)
+    best_step: int | None = None
+    best_val_loss: float | None = None
+    evals_since_best: int = 0
+    plateau_decays: int = 0  # learning-rate cuts so far (lr_schedule: plateau)
+    evals_since_plateau: int = 0  # evaluations without improvement since the best or the last cut
+    stop_reason: str | None = None
+
+    def record_eval(self, step: int, val_loss: float) -> bool:
+        """Count one evaluation; True when it is the lowest validation loss so far."""
+        if self.best_val_loss is not None and val_loss >= self.best_val_loss:
+            self.evals_since_best += 1
+            return False
+        self.best_step, self.best_val_loss, self.evals_since_best = step, val_loss, 0
+        return True
+
+    def patience_exhausted(self, patience: int | None) -> bool:
+        return patience is not None and self.evals_since_best >= patience
+
+    def record_plateau(self, improved: bool, cfg: TrainConfig) -> bool:
+        """After an evaluation: True when the plateau schedule cuts the learning rate now."""
+        self.evals_since_plateau = 0 if improved else self.evals_since_plateau + 1
+        floored = plateau_lr(cfg, self.plateau_decays) <= cfg.min_lr
+        if self.evals_since_plateau < cfg.lr_plateau_patience or floored:
+            return False
+        self.plateau_decays, self.evals_since_plateau = self.plateau_decays + 1, 0
+        return True
+
+
+@dataclass
+class Run:
+    """Everything one training run works with, built once by `_setup`."""
+
+    params: Params
+    device: torch.device
+    ddp: Dist
+    model: Llama  # the weights; `forward` is this model or its DDP wrapper
+    forward: torch.nn.Module
+    opt: torch.optim.Optimizer
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    autocast: contextlib.AbstractContextManager
+    precision: torch.dtype
+    fingerprint: str
+    ckpt_dir: Path
+    manifest: dict
+    progress: Progress
+    compiled: bool = False  # `forward` runs through torch.compile (train.compile, and it worked)
+    best: dict[str, torch.Tensor] | None = None  # CPU copy of the best weights (keep_best, main rank)
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.params.train
+
+
+def train(
+    params: Params, data_dir: Path = PROCESSED_DIR, out_dir: Path = MODEL_DIR, ckpt_dir: Path = CHECKPOINT_DIR
+) -> ModelMeta | None:
+    """Train, export the model directory; its lmops.json (None on every rank but the first)."""
+    device = resolve_device(params.train.device)
+    if params.train.threads:
+        torch.set_num_threads(params.train.threads)
+    deterministic_kernels(device)
+    ddp = setup_distributed(device)
+    try:
+        run = _setup(params, device, ddp, data_dir, ckpt_dir)
+        _loop(run)
+        result = _finish(run, out_dir) if ddp.main else None
+        if ddp.world > 1:
+            # Gloo's worker threads need the GIL to release the last collective's tensors,
+            # and the process group's destructor joins them while holding it (pytorch#56297):
+            # a rank that tears down at once can hang. Wait for every rank, GIL released.
+            dist.barrier()
+        return result
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _setup(params: Params, device: torch.device, ddp: Dist, data_dir: Path, ckpt_dir: Path) -> Run:
+    """Data, model, optimizer, and the checkpoint to resume from when it matches."""
+    stats_path = TOKENIZER_DIR / "stats.json"
+    if not stats_path.is_file():
+        raise LmopsError(f"{stats_path} not found: run `lmops tokenize` first")
+    vocab_size = json.loads(stats_path.read_text())["vocab_size"]
+    torch.manual_seed(params.train.seed)  # identical initial weights on every rank
+    model = Llama(LlamaConfig(vocab_size=vocab_size, **params.model.model_dump())).to(device)
+    precision = resolve_precision(params.train.precision, device)
+    if not ddp.main:
+        log.setLevel(logging.WARNING)  # one rank reports progress
+    run = Run(
+        params=params,
+        device=device,
+        ddp=ddp,
+        model=model,
+        forward=model,
+        opt=make_optimizer(model, params.train, device),
+        train_tokens=read_tokens(data_dir / "train.bin", vocab_size),
+        val_tokens=read_tokens(data_dir / "val.bin", vocab_size),
+        autocast=autocast(device, precision),
+        precision=precision,
+        fingerprint=fingerprint(params, ddp.world, data_dir / "train.bin"),
+        ckpt_dir=ckpt_dir,
+        manifest=json.loads(MANIFEST_FILE.read_text()) if MANIFEST_FILE.is_file() else {},
+        progress=Progress(),
+    )
+    _resume(run)
+    if ddp.world > 1:
+        run.forward = torch.nn.parallel.DistributedDataParallel(model)
+    if params.train.compile:
+        _compile(run)
+    return run
+
+
+def _compile(run: Run) -> None:
+    """Compile the training forward and backward now, on a dummy batch, so that compile
+    time is not counted as the first step's, under a forked RNG so that a resumed run
+    draws the same dropout masks as an uninterrupted one. Where inductor cannot compile
+    (no C++ compiler on CPU) the run trains eagerly, with a warning."""
+    # fallback_random: dropout masks from torch's own generator, not inductor's Philox
+    # kernels (measured 10% faster for the whole step on CPU with residual dropout 0.2).
+    compiled = torch.compile(run.forward, options={"fallback_random": True})
+    dummy = torch.zeros(run.cfg.batch_size, run.params.model.max_seq_len, dtype=torch.long, device=run.device)
+    started = time.perf_counter()
+    try:
+        with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
+            compiled.train()
+            with run.autocast:
+                _, loss = compiled(dummy, dummy)
+            loss.backward()
+    except Exception as exc:  # inductor raises its own error types (InvalidCxxCompiler, ...)
+        log.warning("torch.compile unavailable, training eagerly: %s", str(exc).strip().splitlines()[0])
+        return
+    finally:
+        run.opt.zero_grad(set_to_none=True)
+    run.forward, run.compiled = compiled, True
+    log.info("compiled the training step in %.1f s", time.perf_counter() - started)
+
+
+def _resume(run: Run) -> None:
+    state_path = run.ckpt_dir / "state.json"
+    if not state_path.is_file():
+        return
+    if json.loads(state_path.read_text()).get("fingerprint") != run.fingerprint:
+        log.info("ignoring checkpoint in %s: made with other params or data", run.ckpt_dir)
+        return
+    state = load_checkpoint(run.ckpt_dir, run.model, run.opt)
+    run.progress = Progress(**{f.name: state[f.name] for f in fields(Progress) if f.name in state})
+    run.best = state["best"] if run.ddp.main else None
+    log.info("resuming from %s at step %d", run.ckpt_dir, run.progress.step)
+
+
+def _loop(run: Run) -> None:
+    cfg, ddp, progress = run.cfg, run.ddp, run.progress
+    peak = measure_peak_flops(run.device, run.precision)
+    flops_per_token = run.model.flops_per_token()
+    tokens_per_step = cfg.batch_size * run.params.model.max_seq_len * cfg.grad_accum_steps * ddp.world
+    if ddp.main:
+        progress.run_id = tracking.start_training_run(
+            run.params, progress.run_id, run.manifest.get("sha256")
+        ).info.run_id
+        tracking.log_params_once(
+            run.params,
+            progress.run_id,
+            extra={
+                "num_params": run.model.num_params(),
+                "world_size": ddp.world,
+                "device": run.device.type,
+                "compute_dtype": str(run.precision).removeprefix("torch."),
+                "compiled": run.compiled,
+            },
+        )
+        tracking.log_data_report(progress.run_id)
+    run.forward.train()
+    bar = tqdm(
+        range(progress.step, cfg.max_steps if progress.stop_reason is None else progress.step),
+        initial=progress.step,
+        total=cfg.max_steps,
+        desc="train",
+        unit="step",
+        disable=not ddp.main,
+        dynamic_ncols=True,
+    )
+    t_last, tokens_last = time.perf_counter(), progress.tokens
+    for step in bar:
+        lr = lr_at(step, cfg, progress.plateau_decays)
+        train_loss = _train_step(run, step, lr)
+        progress.tokens += tokens_per_step
+        progress.step = done = step + 1
+
+        row = None
+        evaluate = done % cfg.eval_interval == 0 or done == cfg.max_steps
+        if done % cfg.log_interval == 0 or evaluate:
+            now = time.perf_counter()
+            tps = (progress.tokens - tokens_last) / max(now - t_last, 1e-9)
+            t_last, tokens_last = now, progress.tokens
+            row = {
+                "step": done,
+                "tokens": progress.tokens,
+                "train_loss": train_loss,
+                "lr": lr,
+                "tokens_per_sec": tps,
+                "mfu": tps * flops_per_token / peak / ddp.world,
+            }
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tps:,.0f}")
+        if evaluate:
+            _evaluate(run, row)
+        if row is not None and ddp.main:
+            progress.history.append(row)
+            tracking.log_step(progress.run_id, row)
+        stop = progress.stop_reason is not None
+        if ddp.main and (done % cfg.checkpoint_interval == 0 or done == cfg.max_steps or stop):
+            _checkpoint(run)
+        crash_points.reached("train.step", done)
+        if stop:
+            break
+    bar.close()
+
+
+def _train_step(run: Run, step: int, lr: float) -> float:
+    """One optimizer step over grad_accum_steps micro-batches; returns the mean micro-batch loss."""
+    cfg, ddp = run.cfg, run.ddp
+    for group in run.opt.param_groups:
+        group["lr"] = lr
+    loss_sum = 0.0
+    for micro in range(cfg.grad_accum_steps):
+        x, y = batch(
+            run.train_tokens,
+            run.params.model.max_seq_len,
+            cfg.batch_size,
+            (cfg.seed, step, micro, ddp.rank),
+            run.device,
+        )
+        sync = micro == cfg.grad_accum_steps - 1 or ddp.world == 1
+        with contextlib.nullcontext() if sync else run.forward.no_sync(), run.autocast:
+            _, loss = run.forward(x, y)
+        (loss / cfg.grad_accum_steps).backward()
+        loss_sum += loss.item()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.forward.parameters(), cfg.grad_clip)
+    run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    return loss_sum / cfg.grad_accum_steps
+
+
+def _evaluate(run: Run, row: dict) -> None:
+    """Validation loss into `row`; track the best weights, cut the plateau learning rate,
+    and decide on early stopping."""
+    cfg, progress = run.cfg, run.progress
+    val_loss = estimate_val_loss(run.model, run.val_tokens, cfg, run.params.model.max_seq_len, run.device)
+    if run.ddp.world > 1:  # every rank must take the same early-stopping decision
+        t = torch.tensor(val_loss, dtype=torch.float64, device=run.device)
+        dist.all_reduce(t)
+        val_loss = t.item() / run.ddp.world
+    row["val_loss"] = val_loss
+    log.info("step %d: train %.4f val %.4f", row["step"], row["train_loss"], val_loss)
+    improved = progress.record_eval(row["step"], val_loss)
+    if improved and cfg.keep_best and run.ddp.main:
+        run.best = weights_of(run.model)
+    if cfg.lr_schedule == "plateau" and progress.record_plateau(improved, cfg):
+        log.info(
+            "plateau: validation loss did not improve for %d evaluations; learning rate now %.3g",
+            cfg.lr_plateau_patience,
+            plateau_lr(cfg, progress.plateau_decays),
+        )
+    if progress.patience_exhausted(cfg.early_stopping_patience):
+        progress.stop_reason = (
+            f"early stopping at step {row['step']}: validation loss did not improve for "
+            f"{progress.evals_since_best} evaluations (best {progress.best_val_loss:.4f} "
+            f"at step {progress.best_step})"
+        )
+        log.info("%s", progress.stop_reason)
+
+
+def _checkpoint(run: Run) -> None:
+    state = {**asdict(run.progress), "fingerprint": run.fingerprint}
+    save_checkpoint(run.ckpt_dir, run.model, run.opt, state, run.best)
+    write_log(run.progress.history)
+
+
+def _finish(run: Run, out_dir: Path) -> ModelMeta:
+    """Export the model (the best weights under keep_best), log it, close the MLflow run."""
+    progress = run.progress
+    exported = progress.history[-1] if progress.history else {}
+    if run.cfg.keep_best and run.best is not None:
+        load_weights(run.model, run.best)
+        exported = next(r for r in progress.history if r["step"] == progress.best_step)
+        log.info(
+            "keep_best: exporting the weights of step %d (val %.4f)",
+            progress.best_step,
+            progress.best_val_loss,
+        )
+    stop_reason = progress.stop_reason or f"reached max_steps ({run.cfg.max_steps})"
+    meta = ModelMeta(
+        run_id=progress.run_id,
+        data_sha256=run.manifest.get("sha256"),
+        git_commit=tracking.git_commit(),
+        metrics={
+            "train_loss": exported.get("train_loss"),
+            "val_loss": exported.get("val_loss"),
+            "exported_step": exported.get("step"),
+            "best_step": progress.best_step,
+            "steps": progress.step,
+            "tokens": progress.tokens,
+        },
+        stop_reason=stop_reason,
+        num_params=run.model.num_params(),
+    )
+    write_model_dir(run.model, TOKENIZER_DIR, out_dir, meta)
+    write_log(progress.history)
+    tracking.log_metrics(
+        progress.run_id,
+        {"best_step": progress.best_step, "best_val_loss": progress.best_val_loss},
+        step=progress.step,
+    )
+    tracking.set_tags(
+        progress.run_id, {"stop_reason": stop_reason, "exported_step": str(exported.get("step"))}
+    )
+    tracking.log_model(progress.run_id, out_dir)
+    tracking.end_run(progress.run_id)
+    log.info("model written to %s (run %s)", out_dir, progress.run_id)
+    return meta

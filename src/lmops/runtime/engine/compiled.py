@@ -1,0 +1,225 @@
+"""The compiled decode step: a pure-decode batch padded up to one of a few batch sizes, each
+compiled once at engine start, so a step runs as one generated kernel sequence instead of
+a few hundred eagerly dispatched small ops (at batch 1 a decode step is mostly that
+overhead; see benchmarks/README.md). Any other step (prefills, mixed batches, more
+sequences than the largest size) takes the runner's eager path.
+
+CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs
+for the GPU are not written yet (nothing here could test them), so CUDA stays eager.
+
+The graph is `FusedForward` itself, traced with a decode-only attention whose shapes are
+fixed per batch size except the block-table width (symbolic, so contexts of any length
+share one graph). It returns the step's K/V, which the runner writes into the pool after
+the graph; padding rows write theirs into a scratch block that the engine reserves past
+the block manager's blocks, and their logits are dropped. Each size's graph is compiled
+ahead of time and called without dynamo's guards; the compiled graphs are saved under
+inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, default under /tmp, in
+`lmops-decode/`), so a restart with the same model structure loads them in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+import lmops
+from lmops import atomic
+from lmops.runtime.engine.kv_cache import KVPool
+from lmops.runtime.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    from lmops.runtime.engine.runner import FusedForward
+
+log = logging.getLogger(__name__)
+
+# Powers of two, as vLLM's CUDA-graph sizes: a batch pads to the next one. The gain
+# shrinks as a step's matrix products grow (measured in benchmarks/README.md: clear at 4
+# sequences, within noise at 16), so larger steps stay eager and engine start stays short.
+BATCH_SIZES = (1, 2, 4, 8, 16)
+
+
+class DecodeAttention:
+    """`PagedAttention` for B single-token decodes, in tensors only (so that it traces).
+
+    It reads the pool but does not write it: each token attends to its cached context plus
+    its own new K/V, which are collected in `new_kv` and written by the caller after the
+    graph (an in-graph write made inductor copy the whole pool layer, every layer).
+    """
+
+    def __init__(self, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor):
+        self.kv, self.tables = kv, tables
+        self.new_kv: list[torch.Tensor] = []
+        width = tables.shape[1] * kv.shape[3]
+        # (1, B, 1, keys + 1): cached key j of member b is visible iff j < its context
+        # length - 1 (the positions before the new token); the new token's own key always.
+        valid = torch.arange(width + 1, device=kv.device) < lens[:, None] - 1
+        valid[:, -1] = True
+        self.mask = torch.zeros(valid.shape, dtype=kv.dtype, device=kv.device)
+        self.mask = self.mask.masked_fill(~valid, float("-inf"))[None, :, None]
+
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q: (B, H, D); kv: (B, 2 * Hkv, D) -> (B, H, D)."""
+        B, H, D = q.shape
+        Hkv = kv.shape[1] // 2
+        new = kv.transpose(0, 1)  # (2Hkv, B, D)
+        self.new_kv.append(new)
+        ctx = self.kv[layer].index_select(1, self.tables.view(-1)).view(2 * Hkv, B, -1, D)
+        ctx = torch.cat((ctx, new[:, :, None]), 2)
+        qg = q.view(B, Hkv, H // Hkv, D).transpose(0, 1)  # (Hkv, B, G, D)
+        y = F.scaled_dot_product_attention(qg, ctx[:Hkv], ctx[Hkv:], attn_mask=self.mask)
+        return y.transpose(0, 1).reshape(B, H, D)
+
+
+class CompiledDecode:
+    """Decode steps of up to `max(sizes)` sequences through per-size compiled graphs."""
+
+    def __init__(self, forward: FusedForward, pool: KVPool, scratch_block: int, max_num_seqs: int):
+        self.forward, self.pool = forward, pool
+        self.block_size = pool.block_size
+        self.scratch_slot = scratch_block * pool.block_size
+        self.scratch_block = scratch_block
+        # Every size below max_num_seqs, and the first one that holds it.
+        self.sizes = [b for b in BATCH_SIZES if b < max_num_seqs]
+        self.sizes += [b for b in BATCH_SIZES if b >= max_num_seqs][:1]
+        model = forward.model
+        self.device = model.lm_head.weight.device
+        # One graph per size, compiled ahead of time (`aot_compile`): a step calls its size's
+        # graph directly, with none of dynamo's per-call guard checks or cache lookup (those
+        # cost about 0.06 ms a step, as much as the Python around the graph). Nothing is
+        # left for guards to catch: the caller picks the size, the inputs' dtypes and ranks
+        # never change, and the block-table width is symbolic (two blocks at least: a
+        # symbolic size of 1 would be specialised). The weights are read from the model at
+        # each call, not baked in, so a graph fits any engine of the same structure.
+        # cpp_wrapper: the code that calls the step's kernels is C++ too, not Python
+        # (about 0.1 ms less per step at batch 1; benchmarks/README.md).
+        options = {"cpp_wrapper": True, "guard_filter_fn": lambda guards: [False] * len(guards)}
+        self._compiler = torch.compile(self._eager_step, fullgraph=True, options=options)
+        # (Imported here: torch._dynamo takes a second to import, which an engine that
+        # does not compile need not pay.)
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        self.cache_dir = Path(cache_dir()) / "lmops-decode"
+        key = _structure_key(forward, pool)
+        t = time.perf_counter()
+        self._steps = {b: self._load_or_compile(b, f"{key}-b{b}.bin") for b in self.sizes}
+        self.compile_seconds = time.perf_counter() - t
+        log.info("compiled decode for batch sizes %s in %.1f s", self.sizes, self.compile_seconds)
+
+    def _load_or_compile(self, size: int, name: str) -> AOTCompiledFunction:
+        """The graph for `size` from the on-disk cache, else compiled and saved there.
+        aot_compile bypasses inductor's own cache (it compiled afresh, 30 s for the
+        default model's 5 sizes, at every start); a saved graph loads in milliseconds."""
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        path = self.cache_dir / name
+        step = None
+        if path.is_file():
+            try:
+                step = AOTCompiledFunction.deserialize(path.read_bytes())
+            except Exception as exc:  # e.g. truncated by a full disk: compile again
+                log.warning("compiled decode: ignoring unreadable cache %s: %s", path, exc)
+        if step is None:
+            meta, tables = self._inputs([], size)
+            torch._dynamo.mark_dynamic(tables, 1)
+            with torch.inference_mode():
+                step = self._compiler.aot_compile(((meta, tables), {}))
+            try:
+                atomic.write_bytes(path, AOTCompiledFunction.serialize(step).serialized_data)
+            except OSError as exc:
+                log.warning("compiled decode: cannot cache %s: %s", path, exc)
+        step.disable_guard_check()
+        return step
+
+    def _eager_step(self, meta, tables) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, vocab) and the step's K/V of every layer, (layers, 2 * Hkv, B, D)."""
+        attn = DecodeAttention(self.pool.kv, tables, meta[3])
+        h = self.forward(meta[0], meta[1], attn)
+        h = self.forward._norm(h, self.forward.model.model.norm.weight)
+        return F.linear(h, self.forward.model.lm_head.weight).float(), torch.stack(attn.new_kv)
+
+    def _run(self, seqs: list[Sequence], size: int) -> torch.Tensor:
+        meta, tables = self._inputs(seqs, size)
+        logits, new_kv = self._steps[size](self, meta, tables)
+        kv = self.pool.kv
+        L, H2, nb, bs, D = kv.shape
+        kv.view(L, H2, nb * bs, D).index_copy_(2, meta[2], new_kv)
+        return logits[: len(seqs)]
+
+    def _inputs(self, seqs: list[Sequence], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(4, size): ids, positions, slots, context lengths; (size, width) block tables;
+        padded to `size` rows with rows that read and write only the scratch block."""
+        bs, pad = self.block_size, size - len(seqs)
+        ids, pos, slots, lens, tables = [], [], [], [], []
+        width = 2
+        for s in seqs:
+            p = s.num_tokens - 1
+            n = p // bs + 1
+            ids.append(s.token_ids[p])
+            pos.append(p)
+            slots.append(s.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            tables.append(s.block_table[:n])
+            width = max(width, n)
+        meta = [ids + [0] * pad, pos + [0] * pad, slots + [self.scratch_slot] * pad, lens + [1] * pad]
+        tables += [[]] * pad
+        tables = [t + [self.scratch_block] * (width - len(t)) for t in tables]
+        return torch.tensor(meta, device=self.device), torch.tensor(tables, device=self.device)
+
+    def run(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor | None:
+        """Logits (len(seqs), vocab) if this is a decode step it serves, else None."""
+        if len(seqs) > self.sizes[-1] or any(n != 1 for n in num_new):
+            return None
+        if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):
+            return None
+        size = next(b for b in self.sizes if b >= len(seqs))
+        return self._run(seqs, size)
+
+
+def _structure_key(forward: FusedForward, pool: KVPool) -> str:
+    """What a saved graph depends on, since no guard checks it at run time: torch and
+    Python, the CPU and thread count it was compiled for, the lmops source it was traced
+    from, the model config (its sizes and eps are constants in the graph), and the kind,
+    shape, dtype and strides of every tensor the graph reads (weights after fusing and
+    quantizing, RoPE tables, the KV pool). Not the weights' values, which each call reads
+    afresh. (The pool's size is in it too: where free memory sizes the pool, a restart
+    may miss the cache and compile again.)"""
+    h = hashlib.sha256(f"{torch.__version__} {sys.version} {forward.model.config!r}".encode())
+    h.update(_cpu_signature().encode())
+    for f in sorted(Path(lmops.__file__).parent.rglob("*.py")):
+        h.update(f.read_bytes())
+    m = forward.model
+    reads = [m.model.embed_tokens.weight, m.model.norm.weight, m.lm_head.weight, forward.cos]
+    reads += [forward.sin_signed, pool.kv, *(w for layer in forward.layers for w in layer)]
+    h.update(";".join(map(_describe, reads)).encode())
+    return h.hexdigest()[:32]
+
+
+def _describe(x) -> str:
+    """A tensor's layout; for a weight object such as quantize.Int8Weight, its tensors'."""
+    if isinstance(x, torch.Tensor):
+        return f"{tuple(x.shape)} {x.dtype} {x.stride()} {x.device.type}"
+    return f"{type(x).__name__}({','.join(_describe(v) for v in vars(x).values())})"
+
+
+def _cpu_signature() -> str:
+    """The instruction sets the generated code may use: inductor compiles for its chosen
+    vector ISA and with -march=native, so a graph cached on one CPU (a shared cache
+    volume) could crash another with an illegal instruction. And the thread count, which
+    inductor writes into the generated OpenMP loops."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.utils import parallel_num_threads
+
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.is_file() else []
+    keep = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return f"{platform.machine()} {pick_vec_isa()} {keep} threads={parallel_num_threads()}"

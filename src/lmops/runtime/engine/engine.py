@@ -1,0 +1,346 @@
+"""`LLMEngine`: add_request / step / abort / generate over the scheduler, runner and sampler.
+
+The engine is single-threaded by design: one owner calls `step()`. The service shares
+it through `EngineLoop` (loop.py), whose background thread is that owner.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from lmops.errors import LmopsError
+from lmops.runtime.engine.config import EngineConfig
+from lmops.runtime.engine.kv_cache import BlockManager, KVPool
+from lmops.runtime.engine.metrics import EngineMetrics, now
+from lmops.runtime.engine.runner import ModelRunner
+from lmops.runtime.engine.sampling import SamplingParams, sample
+from lmops.runtime.engine.scheduler import Scheduler
+from lmops.runtime.engine.sequence import (
+    IncrementalDetokenizer,
+    Request,
+    RequestOutput,
+    Sequence,
+    Status,
+    make_output,
+)
+from lmops.runtime.model import Llama, default_dtype, resolve_device
+from lmops.runtime.model_dir import eos_token_ids
+from lmops.runtime.quantize import quantize
+from lmops.runtime.tokenizer import load_tokenizer, token_byte_lengths
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for a generated token within the model's context."""
+
+
+class LLMEngine:
+    """Continuous-batching generation over a paged KV cache for one model.
+
+    Owned by one thread: `add_request`, `step` and `abort` are not thread-safe (EngineLoop
+    is the thread-safe front). The model's q/k/v and gate/up weights become views into
+    fused tensors (see runner.FusedForward): numerically the same model, less overhead.
+    """
+
+    def __init__(
+        self,
+        model: Llama,
+        tokenizer: Tokenizer,
+        engine_config: EngineConfig | None = None,
+        *,
+        eos_token_ids: list[int] | None = None,
+    ):
+        cfg = model.config
+        self.engine_config = engine_config = engine_config or EngineConfig()
+        model = quantize(model, engine_config.quantization)  # in place, before the runner fuses weights
+        self.model, self.tokenizer, self.config = model.eval(), tokenizer, cfg
+        self.max_model_len = cfg.max_seq_len
+        self.block_size = engine_config.block_size
+        self.max_num_seqs = engine_config.max_num_seqs
+        self.max_num_batched_tokens = engine_config.max_num_batched_tokens
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        default_eos = [] if cfg.eos_token_id is None else [cfg.eos_token_id]
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else default_eos)
+        num_blocks = self._num_blocks(engine_config.kv_cache_memory)
+        # The compiled decode path (CPU only: no CUDA graphs yet) pads batches with rows
+        # that write into one extra block, which the block manager never hands out.
+        compile_up_to = self.max_num_seqs if engine_config.compile and self.device.type == "cpu" else 0
+        self.pool = KVPool(cfg, num_blocks + bool(compile_up_to), self.block_size, self.device, self.dtype)
+        self.block_manager = BlockManager(num_blocks, self.block_size, engine_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.pool, compile_up_to)
+        self.metrics = EngineMetrics()
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        # Drift sampling is systematic (every 1/drift_sample-th request), so runs are reproducible.
+        self._drift_credit = 0.0
+        self._token_bytes = token_byte_lengths(tokenizer) if engine_config.drift_sample > 0 else None
+        log.info(
+            "engine: %d KV blocks of %d tokens (%.1f MiB), device %s, %s",
+            num_blocks,
+            self.block_size,
+            self.pool.nbytes / 2**20,
+            self.device,
+            self.dtype,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        engine_config: EngineConfig | None = None,
+        **overrides,
+    ) -> LLMEngine:
+        """Load a model directory (config.json, model.safetensors, tokenizer.json, and
+        generation_config.json for extra EOS ids when present) with `engine_config`, any of
+        whose fields `overrides` replace (`from_pretrained(d, device="cpu", block_size=8)`)."""
+        try:
+            ec = replace(engine_config or EngineConfig(), **overrides)
+        except (TypeError, ValueError) as exc:
+            raise LmopsError(f"engine config: {exc}") from None
+        d = Path(model_dir)
+        if not d.is_dir():
+            raise LmopsError(f"{d}: model directory not found")
+        dev = resolve_device(ec.device)
+        if ec.dtype == "auto":
+            dt = default_dtype(dev)
+        elif ec.dtype in _DTYPES:
+            dt = _DTYPES[ec.dtype]
+        else:
+            raise LmopsError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {ec.dtype!r}")
+        tokenizer = load_tokenizer(d)
+        model = Llama.from_pretrained(d, dev, dt)
+        return cls(model, tokenizer, ec, eos_token_ids=eos_token_ids(d, model.config.eos_token_id))
+
+    def _num_blocks(self, kv_cache_memory: int | None) -> int:
+        per_block = KVPool.bytes_per_block(self.config, self.block_size, self.dtype)
+        min_blocks = -(-self.max_model_len // self.block_size)
+        if kv_cache_memory is None:
+            # Room for max_num_seqs full-length sequences, twice over (the spare blocks keep
+            # prefixes cached), within a share of the memory that is actually free.
+            want = 2 * self.max_num_seqs * min_blocks * per_block
+            if self.device.type == "cuda":
+                cap = int(0.8 * torch.cuda.mem_get_info(self.device)[0])
+            else:
+                cap = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+            kv_cache_memory = max(min(want, cap), min_blocks * per_block)
+        num_blocks = int(kv_cache_memory) // per_block
+        if num_blocks < min_blocks:
+            raise LmopsError(
+                f"kv_cache_memory={kv_cache_memory} bytes holds {num_blocks} blocks; one "
+                f"{self.max_model_len}-token sequence needs {min_blocks} blocks of "
+                f"{per_block} bytes, so at least {min_blocks * per_block} bytes"
+            )
+        return num_blocks
+
+    # -- requests ----------------------------------------------------------------------
+
+    def make_request(
+        self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Request:
+        """Validate and tokenize (touches no engine state, so any thread may call it)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        limit = self.max_model_len - 1
+        if len(ids) > limit:
+            raise PromptTooLongError(
+                f"prompt is {len(ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens, so a prompt may have at most {limit}"
+            )
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs ({self.max_num_seqs}), got {params.n}")
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        return Request(str(rid), text, ids, params, max_tokens, now())
+
+    def add_request(
+        self, request_id: str | None, prompt: str | list[int] | Request, params: SamplingParams | None = None
+    ) -> str:
+        req = prompt if isinstance(prompt, Request) else self.make_request(request_id, prompt, params)
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        seq = Sequence(
+            next(self._seq_ids),
+            req,
+            0,
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+            self._generator(req.params.seed, 0),
+        )
+        seq.pending_forks = req.params.n - 1
+        self._drift_credit += self.engine_config.drift_sample
+        if self._drift_credit >= 1:
+            self._drift_credit -= 1
+            seq.score_prompt = len(req.prompt_token_ids) > 1  # a 1-token prompt predicts nothing
+        req.seqs.append(seq)
+        self.requests[req.request_id] = req
+        self.scheduler.add(seq)
+        return req.request_id
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        g = torch.Generator(device=self.device)
+        g.manual_seed((seed if index == 0 else hash((seed, index))) & 0xFFFF_FFFF_FFFF_FFFF)
+        return g
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; its final output (finish_reason "abort")."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        req.aborted = True
+        self.metrics.on_finished(req.metrics, "abort", now())
+        self._update_gauges()
+        return make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len({s.request.request_id for s in self.scheduler.waiting})
+
+    @property
+    def num_running(self) -> int:
+        return len({s.request.request_id for s in self.scheduler.running})
+
+    # -- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; outputs of the requests that advanced."""
+        batch = self.scheduler.schedule()
+        t = now()
+        prompt_tokens = 0
+        for seq in batch.admitted:
+            m = seq.request.metrics
+            if m.first_scheduled_time is None:
+                self.metrics.on_first_scheduled(m, t)
+                m.num_cached_tokens = seq.num_computed_tokens
+                prompt_tokens += m.num_prompt_tokens
+        self.metrics.on_schedule(
+            preemptions=len(batch.preempted),
+            prefix_queries=batch.prefix_queries,
+            prefix_hits=batch.prefix_hits,
+            prompt_tokens=prompt_tokens,
+        )
+        touched: dict[str, Request] = {}
+        if batch.seqs:
+            logits = self.runner.execute(batch.seqs, batch.num_new_tokens, batch.copies)
+            ready = []
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                seq.num_computed_tokens += n
+                if seq.score_prompt and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    self._observe_prompt_score(seq)
+                if seq.num_computed_tokens == seq.num_tokens:
+                    ready.append(seq)
+            rows, targets = [], []
+            for j, seq in enumerate(ready):
+                rows.append(j)
+                targets.append(seq)
+                for child in self._fork(seq):
+                    rows.append(j)
+                    targets.append(child)
+            if len(rows) != len(ready):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            result = sample(logits, targets) if targets else None
+            t = now()
+            counts: dict[str, int] = {}
+            for k, seq in enumerate(targets):
+                req = seq.request
+                seq.append(result.token_ids[k], result.logprobs[k], self.eos_token_ids, req.max_tokens)
+                if seq.is_finished:
+                    self.scheduler.remove(seq)
+                touched.setdefault(req.request_id, req)
+                counts[req.request_id] = counts.get(req.request_id, 0) + 1
+            for rid, req in touched.items():
+                self.metrics.on_tokens(req.metrics, t, counts[rid])
+        outputs = []
+        for rid, req in touched.items():
+            if req.finished:
+                del self.requests[rid]
+                self.metrics.on_finished(req.metrics, req.seqs[0].finish_reason, t)
+            elif req.final_only:
+                continue
+            outputs.append(make_output(req))
+        self._update_gauges()
+        return outputs
+
+    def _observe_prompt_score(self, seq: Sequence) -> None:
+        """The prompt is prefilled: its bits per byte, in evaluate's unit (NLL in bits over
+        the UTF-8 bytes of the predicted tokens, i.e. all but the first)."""
+        seq.score_prompt = False
+        n_bytes = int(self._token_bytes[seq.token_ids[1 : seq.num_prompt_tokens]].sum())
+        if n_bytes:
+            self.metrics.on_prompt_scored(seq.request.metrics, seq.prompt_nll / math.log(2) / n_bytes)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """At the first sample of an n > 1 request: siblings sharing the prompt's blocks."""
+        children = []
+        for i in range(1, parent.pending_forks + 1):
+            child = parent.fork(next(self._seq_ids), i, self._generator(parent.params.seed, i))
+            self.block_manager.share(parent)
+            self.scheduler.add_running(child)
+            parent.request.seqs.append(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
+
+    def _update_gauges(self) -> None:
+        self.metrics.set_state(
+            running=self.num_running, waiting=self.num_waiting, kv_usage=self.block_manager.usage
+        )
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (continuous batching across them); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        reqs = [self.make_request(None, p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        for r in reqs:
+            r.final_only = True
+        ids = [self.add_request(None, r) for r in reqs]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            if not self.scheduler.has_work():
+                raise RuntimeError("engine has no work left but requests are unfinished")
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

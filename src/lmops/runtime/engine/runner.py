@@ -1,0 +1,360 @@
+"""Runs one scheduled step: packs all sequences' new tokens into one batch, runs the model
+over the paged cache, returns logits only where a token is to be sampled.
+
+Packing (T = all new tokens, per-token positions) means mixed prompt lengths never pad
+the projections or MLPs. Attention lives in `PagedAttention`: it first writes the
+step's K/V into their slots (all sequences, before any read, so a block filled in this
+very step can already be shared by a prefix-cache hit), then attends through block
+tables. Sequences with the same small number of new tokens (decodes: 1; short prompt
+tails after a prefix-cache hit) go in groups of similar context length, each served by
+one index_select of their blocks and one attention call; fresh prompts use causal
+attention on their own K/V; long chunks after cached context, one sequence at a time.
+
+`FusedForward` is model.py's `Llama.hidden_states`, restated for this packed layout with
+Q/K/V and gate/up projections fused, RoPE from a precomputed table, and no nn.Module
+dispatch: at batch size 1 a decode step is mostly per-op overhead, and this halves it.
+Its output equals model.py's (the parity tests compare logits to 1e-5).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lmops.runtime.engine.compiled import CompiledDecode
+from lmops.runtime.engine.kv_cache import KVPool
+from lmops.runtime.engine.sequence import Sequence
+from lmops.runtime.model import Llama, rope_cos_sin
+
+log = logging.getLogger(__name__)
+
+# On CPU a context group is padded to its longest member and a new group starts when padding
+# would exceed this fraction of the group's real blocks (gathers cost memory bandwidth). On
+# CUDA bandwidth is plentiful and kernel launches are not: one group.
+_MAX_PAD_FRACTION = 0.1
+# cuDNN attention (preferred by recent torch on Hopper) builds a plan per new shape, and every
+# step brings new context lengths: the flash / memory-efficient kernels have no such cost.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+# Groups only for short query runs: the mask is (members, G * n, context).
+_MAX_GROUP_QUERY = 64
+
+
+@dataclass
+class ContextGroup:
+    rows: slice  # B members x n rows of the packed batch, member-major
+    n: int  # new tokens per member (1 for decodes)
+    block_ids: torch.Tensor  # (B * max_blocks,) block tables, padded, flattened
+    mask: torch.Tensor  # (1, B, G * n or 1, max_blocks * block_size) additive: 0 or -inf
+
+
+@dataclass
+class PrefillSeg:
+    rows: slice
+    block_ids: torch.Tensor | None  # blocks holding the whole context, None if nothing cached
+    mask: torch.Tensor | None  # (n, context) additive causal mask over the cached prefix too
+
+
+class PagedAttention:
+    """Attention through block tables for one step; also usable as model.py's `cache` hook."""
+
+    def __init__(
+        self, pool: KVPool, slot_mapping: torch.Tensor, groups: list[ContextGroup], prefills: list[PrefillSeg]
+    ):
+        self.pool, self.slot_mapping = pool, slot_mapping
+        self.groups, self.prefills = groups, prefills
+        # One gather buffer for the step, reused by every group and layer.
+        self._workspace: torch.Tensor | None = None
+        per_block = pool.kv.shape[1] * pool.kv.shape[3] * pool.kv.shape[4]
+        self._workspace_size = max((g.block_ids.shape[0] for g in groups), default=0) * per_block
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """model.py's AttentionCache protocol: (1, T, heads, D) tensors."""
+        return self(layer, q[0], torch.cat((k[0], v[0]), 1))[None]
+
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q: (T, H, D); kv: (T, 2 * Hkv, D), K heads then V heads -> (T, H, D)."""
+        T, H, D = q.shape
+        Hkv = kv.shape[1] // 2
+        cache = self.pool.kv[layer]  # (2Hkv, blocks, bs, D)
+        nb, bs = cache.shape[1], cache.shape[2]
+        cache.view(2 * Hkv, nb * bs, D).index_copy_(1, self.slot_mapping, kv.transpose(0, 1))
+        blocks = cache.view(2 * Hkv, nb, bs * D)
+        if len(self.groups) == 1 and not self.prefills:
+            return self._group(self.groups[0], q, blocks, Hkv)
+        out = torch.empty_like(q)
+        for g in self.groups:
+            out[g.rows] = self._group(g, q[g.rows], blocks, Hkv)
+        for p in self.prefills:
+            qs = q[p.rows].transpose(0, 1)[None]  # (1, H, n, D)
+            if p.block_ids is None:
+                ks, vs = kv[p.rows].transpose(0, 1)[None].split(Hkv, 1)
+                y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                ctx = blocks.index_select(1, p.block_ids).view(2 * Hkv, -1, D)[None, :, : p.mask.shape[1]]
+                ks, vs = ctx.split(Hkv, 1)
+                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
+            out[p.rows] = y[0].transpose(0, 1)
+        return out
+
+    def _group(self, g: ContextGroup, q: torch.Tensor, blocks: torch.Tensor, Hkv: int) -> torch.Tensor:
+        # Batch axes (Hkv, B): the G query heads x n tokens of each member that share one KV
+        # head form its query rows; keys are the member's gathered blocks.
+        rows, H, D = q.shape
+        B, n, G = rows // g.n, g.n, H // Hkv
+        size = g.block_ids.shape[0] * blocks.shape[0] * blocks.shape[2]
+        if self._workspace is None or self._workspace.numel() < size:
+            self._workspace = blocks.new_empty(max(size, self._workspace_size))
+        ctx = self._workspace[:size].view(blocks.shape[0], -1, blocks.shape[2])
+        torch.index_select(blocks, 1, g.block_ids, out=ctx)
+        ctx = ctx.view(2 * Hkv, B, -1, D)
+        qg = q.view(B, n, Hkv, G, D).permute(2, 0, 3, 1, 4).reshape(Hkv, B, G * n, D)
+        y = F.scaled_dot_product_attention(qg, ctx[:Hkv], ctx[Hkv:], attn_mask=g.mask)
+        return y.view(Hkv, B, G, n, D).permute(1, 3, 0, 2, 4).reshape(rows, H, D)
+
+
+class FusedForward:
+    """model.py's forward over a packed batch, with fused projections.
+
+    The fused weights are built once, and the model's own q/k/v and gate/up parameters
+    are re-pointed to views of them: no second copy of the weights, and model.py's
+    forward (used by references and tests) keeps working on the same numbers. (Those
+    views share storage, so save such a model with `.clone()`d tensors, not directly.)
+    """
+
+    def __init__(self, model: Llama):
+        cfg = model.config
+        self.model = model
+        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.n_kv_heads, cfg.head_dim
+        self.inter, self.eps = cfg.intermediate_size, cfg.norm_eps
+        self.layers = []
+        with torch.no_grad():
+            for layer in model.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                qkv = _fuse(a.q_proj, a.k_proj, a.v_proj)
+                gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
+                self.layers.append(
+                    (
+                        layer.input_layernorm.weight,
+                        qkv,
+                        a.o_proj.weight,
+                        layer.post_attention_layernorm.weight,
+                        gate_up,
+                        mlp.down_proj.weight,
+                    )
+                )
+        device = qkv.device
+        cos, sin = rope_cos_sin(torch.arange(cfg.max_seq_len, device=device), cfg.head_dim, cfg.rope_theta)
+        half = cfg.head_dim // 2
+        self.cos = cos  # (max_len, D) float32
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), 1)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # RMSNorm exactly as model.py computes it (in float32, back to the model dtype).
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention
+    ) -> torch.Tensor:
+        """(T,) ids and positions -> (T, n_embd) final hidden states."""
+        H, Hkv, D, inter = self.n_head, self.n_kv, self.head_dim, self.inter
+        T = input_ids.shape[0]
+        x = F.embedding(input_ids, self.model.model.embed_tokens.weight)
+        dtype = x.dtype
+        # RoPE for the H query and Hkv key heads; identity (cos 1, sin 0) for the V heads, so
+        # one elementwise pass rotates q and k and leaves K and V adjacent for the cache write.
+        # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated).
+        cos = self.cos.index_select(0, positions).to(dtype)[:, None]
+        sin = self.sin_signed.index_select(0, positions).to(dtype)[:, None]
+        cos = torch.cat((cos.expand(T, H + Hkv, D), cos.new_ones(T, Hkv, D)), 1)
+        sin = torch.cat((sin.expand(T, H + Hkv, D), sin.new_zeros(T, Hkv, D)), 1)
+        for i, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
+            qkv = F.linear(self._norm(x, w_in), w_qkv).view(T, H + 2 * Hkv, D)
+            x1, x2 = qkv.chunk(2, dim=-1)
+            qkv = torch.addcmul(torch.cat((x2, x1), dim=-1).mul_(sin), qkv, cos)
+            y = attn(i, qkv[:, :H], qkv[:, H:])
+            x = x + F.linear(y.reshape(T, H * D), w_o)
+            gu = F.linear(self._norm(x, w_post), w_gu)
+            x.add_(F.linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down))
+        return x
+
+
+def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
+    """One weight stacking the linears' rows; each linear's weight becomes a view into it."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = fused[start : start + n]
+        start += n
+    return fused
+
+
+def context_groups(
+    segs: list[tuple[int, int]], block_size: int, max_pad: float = _MAX_PAD_FRACTION, max_elems: int = 1 << 22
+) -> list[tuple[int, int]]:
+    """Split (n, context length) pairs, sorted, into [start, end) groups of equal n whose
+    block padding stays under `max_pad` and whose mask stays under `max_elems` entries."""
+    groups, start, total = [], 0, 0
+    for i, (n, length) in enumerate(segs):
+        nb = -(-length // block_size)
+        size = i - start + 1
+        if i > start and (
+            n != segs[start][0]
+            or size * nb > (1 + max_pad) * (total + nb)
+            or size * n * nb * block_size > max_elems
+        ):
+            groups.append((start, i))
+            start, total = i, 0
+        total += nb
+    if segs:
+        groups.append((start, len(segs)))
+    return groups
+
+
+class ModelRunner:
+    """`compile_up_to` > 0 compiles decode steps of up to that many sequences (compiled.py),
+    with the pool's last block, which the block manager must not hand out, as scratch."""
+
+    def __init__(self, model: Llama, pool: KVPool, compile_up_to: int = 0):
+        self.model, self.pool = model, pool
+        self.forward = FusedForward(model)
+        self.decode: CompiledDecode | None = None
+        if compile_up_to:
+            try:
+                self.decode = CompiledDecode(self.forward, pool, pool.num_blocks - 1, compile_up_to)
+            except Exception as exc:  # e.g. no C++ compiler in a slim image: eager still works
+                log.warning("compiled decode unavailable, decoding eagerly: %s", exc)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = pool.block_size
+        self.max_pad = _MAX_PAD_FRACTION if self.device.type == "cpu" else float("inf")
+
+    def _additive(self, valid: torch.Tensor) -> torch.Tensor:
+        """Float mask (0 / -inf) in the model dtype: SDPA would convert a bool mask per call."""
+        mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+        return mask.to(device=self.device, dtype=self.dtype)
+
+    def prepare(self, seqs: list[Sequence], num_new: list[int]):
+        """Packed ids, positions, the attention metadata, and each sequence's last row."""
+        bs, dev = self.block_size, self.device
+        G = self.model.config.n_head // self.model.config.n_kv_heads
+        # Grouped first (sorted by new tokens, then context length), then the other prefills.
+        grouped = sorted(
+            (
+                i
+                for i, n in enumerate(num_new)
+                if n <= _MAX_GROUP_QUERY and (n == 1 or seqs[i].num_computed_tokens > 0)
+            ),
+            key=lambda i: (num_new[i], seqs[i].num_computed_tokens),
+        )
+        in_group = set(grouped)
+        order = grouped + [i for i in range(len(seqs)) if i not in in_group]
+        ids, pos, slots, last = [], [], [], {}
+        prefills = []
+        for i in order:
+            s, n = seqs[i], num_new[i]
+            start, row = s.num_computed_tokens, len(ids)
+            ids.extend(s.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
+            last[i] = row + n - 1
+            if i in in_group:
+                continue
+            if start == 0:
+                prefills.append(PrefillSeg(slice(row, row + n), None, None))
+            else:
+                L = start + n
+                mask = torch.ones(n, L, dtype=torch.bool).tril(diagonal=start)
+                table = torch.tensor(s.block_table[: -(-L // bs)])
+                prefills.append(PrefillSeg(slice(row, row + n), table.to(dev), self._additive(mask)))
+        groups = []
+        segs = [(num_new[i], seqs[i].num_computed_tokens + num_new[i]) for i in grouped]
+        row = 0
+        for a, b in context_groups(segs, bs, self.max_pad):
+            n = segs[a][0]
+            width = -(-max(L for _, L in segs[a:b]) // bs)
+            # Padded with block 0: its keys are masked out, and any block holds finite values.
+            table = [seqs[grouped[j]].block_table[: -(-segs[j][1] // bs)] for j in range(a, b)]
+            table = [bt + [0] * (width - len(bt)) for bt in table]
+            # Query i of a member (context L) sees keys up to L - n + i; same for all G heads.
+            limit = torch.tensor([L - n for _, L in segs[a:b]])[:, None] + torch.arange(n)
+            valid = torch.arange(width * bs) <= limit[:, :, None]  # (B, n, keys)
+            if n > 1:  # rows are (head, token) pairs; decodes broadcast one row over the heads
+                valid = valid[:, None].expand(-1, G, -1, -1).reshape(b - a, G * n, -1)
+            groups.append(
+                ContextGroup(
+                    slice(row, row + (b - a) * n),
+                    n,
+                    torch.tensor(table).view(-1).to(dev),
+                    self._additive(valid[None]),
+                )
+            )
+            row += (b - a) * n
+        meta = torch.tensor([ids, pos, slots], dtype=torch.long).to(dev)
+        attn = PagedAttention(self.pool, meta[2], groups, prefills)
+        return meta[0], meta[1], attn, last
+
+    @torch.inference_mode()
+    def execute(
+        self, seqs: list[Sequence], num_new: list[int], copies: list[tuple[int, int]] = ()
+    ) -> torch.Tensor:
+        """Run the step; float32 logits, one row per sequence that reaches its last token
+        (`num_computed_tokens + num_new == num_tokens`), in `seqs` order."""
+        self.pool.copy_blocks(list(copies))
+        if self.decode is not None and (logits := self.decode.run(seqs, num_new)) is not None:
+            return logits
+        input_ids, positions, attn, last = self.prepare(seqs, num_new)
+        with sdpa_kernel(_SDPA_BACKENDS):
+            h = self.forward(input_ids, positions, attn)
+        if any(s.score_prompt for s in seqs):
+            self._score_prompts(h, seqs, num_new, last)
+        want = [last[i] for i, s in enumerate(seqs) if s.num_computed_tokens + num_new[i] == s.num_tokens]
+        if not want:
+            return h.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        h = h.index_select(0, torch.tensor(want, device=self.device))
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.forward._norm(h, self.model.model.norm.weight)).float()
+
+    def _score_prompts(
+        self, h: torch.Tensor, seqs: list[Sequence], num_new: list[int], last: dict[int, int]
+    ) -> None:
+        """The drift signal, riding on the prefill: for each sequence flagged `score_prompt`,
+        add the NLL of the prompt tokens that this step's rows predict to `seq.prompt_nll`.
+        Only those rows go through the LM head (in slices, bounding the logits' memory)."""
+        rows, targets, owner, flagged = [], [], [], []
+        for i, s in enumerate(seqs):
+            start = s.num_computed_tokens
+            lo, hi = max(start, s.num_scored), min(start + num_new[i], s.num_prompt_tokens - 1)
+            if not s.score_prompt or lo >= hi:
+                continue
+            first = last[i] - num_new[i] + 1  # the row of position `start`
+            rows.extend(range(first + lo - start, first + hi - start))
+            targets.extend(s.token_ids[lo + 1 : hi + 1])
+            owner.extend([len(flagged)] * (hi - lo))
+            flagged.append(s)
+            s.num_scored = hi
+        if not rows:
+            return
+        rows_t, targets_t = torch.tensor(rows, device=self.device), torch.tensor(targets, device=self.device)
+        nll = torch.cat(
+            [
+                F.cross_entropy(
+                    self._logits(h[rows_t[k : k + 512]]), targets_t[k : k + 512], reduction="none"
+                )
+                for k in range(0, len(rows), 512)
+            ]
+        )
+        sums = torch.zeros(len(flagged), device=self.device).index_add_(
+            0, torch.tensor(owner, device=self.device), nll
+        )
+        for s, total in zip(flagged, sums.tolist(), strict=True):
+            s.prompt_nll += total

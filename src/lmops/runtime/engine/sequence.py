@@ -1,0 +1,255 @@
+"""Request and sequence state, streaming detokenization, stop strings, and the output types.
+
+A `Request` is what a user asked for (one prompt, n completions); each completion is a
+`Sequence` with its own tokens, block table and text. A request with n > 1 runs its
+prompt once: the first sequence prefills, and at its first sample it forks into n
+sequences that share the prompt's KV blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+
+from lmops.runtime.engine.metrics import RequestMetrics
+from lmops.runtime.engine.sampling import SamplingParams
+
+# Prompt tokens decoded ahead of the first output token: tokenizers whose decoding
+# depends on the left neighbour (leading-space handling) then render it correctly.
+_CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """Token-by-token text that never ends inside a UTF-8 character.
+
+    Decodes a short window `ids[prefix:]` and emits only what extends the text of
+    `ids[prefix:read]`; while the window decodes to a trailing U+FFFD (an incomplete
+    byte sequence) it waits for the next token. `flush` emits whatever is left.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tok = tokenizer
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def _window(self) -> tuple[str, str]:
+        done = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        full = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        return done, full
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        done, full = self._window()
+        if len(full) > len(done) and not full.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return full[len(done) :]
+        return ""
+
+    def flush(self) -> str:
+        done, full = self._window()
+        self.prefix = self.read = len(self.ids)
+        return full[len(done) :] if len(full) > len(done) else ""
+
+    def copy(self) -> IncrementalDetokenizer:
+        new = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
+        new.tok, new.ids, new.prefix, new.read = self.tok, list(self.ids), self.prefix, self.read
+        return new
+
+
+def held_back(text: str, start: int, stops: list[str]) -> int:
+    """Length of the longest tail of text[start:] that could still grow into a stop string."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text) - start), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One completion: tokens (prompt + output), KV bookkeeping, text and stop state."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        request: Request,
+        index: int,
+        detok: IncrementalDetokenizer,
+        generator: torch.Generator | None,
+    ):
+        self.seq_id, self.request, self.index = seq_id, request, index
+        self.params: SamplingParams = request.params
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.status = Status.WAITING
+        self.pending_forks = 0
+        self.generator = generator
+        self.detok = detok
+        self.text = ""  # decoded output, including a tail held back for stop strings
+        self.visible = 0  # len(text) that may be shown
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict] | None = [] if request.params.logprobs is not None else None
+        self.sent_text = 0  # what the previous RequestOutput carried
+        self.sent_tokens = 0
+        # Drift signal: while `score_prompt`, the runner adds the NLL (nats) of the prompt
+        # tokens its rows predict (position p predicts token p + 1) to `prompt_nll`;
+        # positions < `num_scored` are already counted (a recompute after preemption skips them).
+        self.score_prompt = False
+        self.prompt_nll = 0.0
+        self.num_scored = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def fork(self, seq_id: int, index: int, generator: torch.Generator | None) -> Sequence:
+        """A sibling completion at the same point, sharing (by reference) the KV blocks."""
+        child = Sequence(seq_id, self.request, index, self.detok.copy(), generator)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_table = list(self.block_table)
+        child.block_hashes = list(self.block_hashes)
+        child.status = self.status
+        return child
+
+    def append(self, token_id: int, logprob: dict | None, eos_ids: frozenset[int], max_tokens: int) -> None:
+        """Record a sampled token: text, stop strings, stop tokens, length limit."""
+        p = self.params
+        self.token_ids.append(token_id)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in eos_ids):
+            self.text += self.detok.flush()  # the stop token's own text is not part of the output
+            self._finish("stop", token_id)
+            return
+        start = self.visible
+        self.text += self.detok.add(token_id)
+        if self.num_output_tokens >= max_tokens:
+            self.text += self.detok.flush()
+        for s in p.stop:
+            at = self.text.find(s, max(0, start - len(s) + 1))
+            if at >= 0:
+                self.text = self.text[:at]
+                self._finish("stop", s)
+                return
+        if self.num_output_tokens >= max_tokens:
+            self._finish("length", None)
+            return
+        self.visible = len(self.text) - held_back(self.text, self.visible, p.stop)
+
+    def _finish(self, reason: str, stop_reason: str | int | None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.visible = len(self.text)
+        self.status = Status.FINISHED
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        arrival_time: float,
+    ):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.params, self.max_tokens = params, max_tokens
+        self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        self.seqs: list[Sequence] = []
+        self.aborted = False
+        self.final_only = False  # generate() needs no intermediate outputs: skip building them
+
+    @property
+    def finished(self) -> bool:
+        return self.aborted or (len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs))
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(repr=False, default=None)
+
+    # The first completion's fields, for the common n == 1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+def make_output(req: Request) -> RequestOutput:
+    """Snapshot of `req` (fresh lists: safe to hand to another thread); advances the deltas."""
+    outs = []
+    for s in sorted(req.seqs, key=lambda s: s.index):
+        ids = s.output_token_ids
+        outs.append(
+            CompletionOutput(
+                index=s.index,
+                text=s.text[: s.visible],
+                token_ids=ids,
+                delta_text=s.text[s.sent_text : s.visible],
+                delta_token_ids=ids[s.sent_tokens :],
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=None if s.logprobs is None else list(s.logprobs),
+            )
+        )
+        s.sent_text, s.sent_tokens = s.visible, len(ids)
+    return RequestOutput(
+        req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.finished, copy.copy(req.metrics)
+    )

@@ -1,0 +1,259 @@
+"""The model directory, the one thing that crosses from the pipeline to the runtime, and its
+one owner: its files, the typed `lmops.json`, the generation defaults, writing, reading,
+verifying, exporting and downloading it.
+
+The layout is Hugging Face's Llama one (`config.json`, `model.safetensors`,
+`generation_config.json`, `tokenizer.json`, `tokenizer_config.json`), so transformers and
+other Llama runtimes load it unchanged, plus `lmops.json`: where the model came from and
+how good it is. `lmops.json` is optional (a plain HF Llama directory serves), but one that
+is there and unreadable is an error naming it, like any other corrupt model file.
+
+Free of torch at import: the pipeline's light stages and the service's master read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lmops import atomic
+from lmops.errors import LmopsError
+
+if TYPE_CHECKING:
+    from lmops.runtime.engine.sampling import SamplingParams
+    from lmops.runtime.model import Llama
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+GENERATION_FILE = "generation_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+META_FILE = "lmops.json"
+MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE, *TOKENIZER_FILES)
+
+# How a model samples by default, defined once and written into generation_config.json,
+# where HF runtimes read it too. `lmops generate`, evaluate's samples, the MLflow pyfunc and
+# the API (`/v1/completions` without temperature, top_p, top_k or max_tokens) all start
+# from the directory's file (`sampling_defaults`), as vLLM does with `--generation-config auto`.
+GENERATION_DEFAULTS = {
+    "do_sample": True,
+    "temperature": 0.8,
+    "top_k": 50,
+    "top_p": 0.95,
+    "max_new_tokens": 128,
+}
+# The generation_config.json keys that set sampling defaults (besides do_sample: false =
+# greedy), and the SamplingParams field each one sets.
+GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "max_new_tokens": "max_tokens",
+}
+META_VERSION = 1
+Metric = float | int | str | None
+
+
+class ModelMeta(BaseModel):
+    """`lmops.json`, version 1: written by training, completed by promotion's export."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Annotated[int, Field(ge=1, le=META_VERSION)] = META_VERSION
+    run_id: str | None = None  # the MLflow training run
+    data_sha256: str | None = None  # the corpus the model was trained on (data/raw/manifest.json)
+    git_commit: str | None = None
+    num_params: int | None = None
+    stop_reason: str | None = None
+    # train_loss, val_loss, exported_step, ... from training; test_* from evaluation at
+    # promotion; `test_bits_per_byte` is the drift signal's reference.
+    metrics: dict[str, Metric] = Field(default_factory=dict)
+    weights_sha256: str | None = None  # of model.safetensors, checked at every load
+    # Registry facts, set by the export: what production_service/model holds.
+    model_name: str | None = None
+    model_version: int | None = None
+    model_uri: str | None = None  # when fetched by URI (deploy/fetch_model.sh)
+
+    @property
+    def reference_bits_per_byte(self) -> float | None:
+        """The test bits/byte promotion compared (the drift alert's baseline), if known."""
+        value = self.metrics.get("test_bits_per_byte")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            return None
+        return float(value)
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON object from `path`, or one line naming the file and what is wrong."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LmopsError(f"{path}: unreadable {what} ({exc})") from None
+    if not isinstance(value, dict):
+        raise LmopsError(f"{path}: unreadable {what} (not a JSON object)")
+    return value
+
+
+def read_meta(directory: str | Path) -> ModelMeta | None:
+    """The directory's lmops.json; None when it has none (a plain HF Llama directory)."""
+    path = Path(directory) / META_FILE
+    if not path.is_file():
+        return None
+    raw = read_json_object(path, "lmops.json")
+    try:
+        return ModelMeta.model_validate(raw)
+    except ValidationError as exc:
+        raise LmopsError(f"{path}: {meta_problem(exc, raw)}") from None
+
+
+def meta_problem(exc: ValidationError, raw: dict) -> str:
+    """The first thing wrong with an lmops.json, in words."""
+    error = exc.errors(include_url=False)[0]
+    where = ".".join(map(str, error["loc"])) or META_FILE
+    if error["type"] == "extra_forbidden":
+        return f"unknown key {where!r} ({META_FILE} version {META_VERSION})"
+    if where == "schema_version" and error["type"] == "less_than_equal":
+        return (
+            f"schema_version {raw['schema_version']} was written by a newer lmops "
+            f"(this one reads version {META_VERSION})"
+        )
+    return f"invalid {where} ({error['msg']})"
+
+
+def require_meta(directory: str | Path) -> ModelMeta:
+    """lmops.json of a directory the pipeline trained (evaluate and promote need its run)."""
+    meta = read_meta(directory)
+    if meta is None:
+        raise LmopsError(f"{directory}: not a trained lmops model directory, missing {META_FILE}")
+    return meta
+
+
+def write_meta(directory: Path, meta: ModelMeta) -> None:
+    text = meta.model_dump_json(indent=2, exclude_none=True)
+    (directory / META_FILE).write_text(text + "\n", encoding="utf-8")
+
+
+def read_generation_config(directory: str | Path) -> dict:
+    """The directory's generation_config.json ({} when it has none)."""
+    path = Path(directory) / GENERATION_FILE
+    return read_json_object(path, "generation config") if path.is_file() else {}
+
+
+def sampling_defaults(
+    directory: str | Path, overrides: dict[str, Any] | None = None, **fields
+) -> SamplingParams:
+    """The sampling the model asks for: its generation_config.json, with `overrides`
+    (generation-config keys: a deployment's LMOPS_GENERATION_CONFIG) on top of the file and
+    `fields` (SamplingParams fields: a caller's explicit choices) on top of both. With no
+    generation config at all, SamplingParams' own defaults (vLLM's: temperature 1)."""
+    from lmops.runtime.engine.sampling import SamplingParams
+
+    generation = {**read_generation_config(directory), **(overrides or {})}
+    try:
+        if not generation:
+            return SamplingParams(**fields)
+        return SamplingParams.from_generation_config(generation, **fields)
+    except ValueError as exc:
+        raise LmopsError(f"{Path(directory) / GENERATION_FILE}: {exc}") from None
+
+
+def eos_token_ids(directory: str | Path, config_eos: int | None) -> list[int]:
+    """Every id that ends generation: config.json's and generation_config.json's (either may be a list)."""
+    ids = set() if config_eos is None else {config_eos}
+    for source in (
+        read_json_object(Path(directory) / CONFIG_FILE, "model config"),
+        read_generation_config(directory),
+    ):
+        value = source.get("eos_token_id")
+        ids |= set(value if isinstance(value, list) else [] if value is None else [value])
+    return sorted(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
+def weights_digest(directory: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(Path(directory) / WEIGHTS_FILE, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify(directory: str | Path) -> ModelMeta | None:
+    """Check what can be checked before loading (`Llama.from_pretrained` does it first): the
+    network's files are there, generation_config.json and lmops.json (both optional) are
+    valid, and the weights are the ones lmops.json recorded. Returns lmops.json."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise LmopsError(f"{directory}: model directory not found")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (directory / name).is_file():
+            raise LmopsError(f"{directory}: not a model directory, missing {name}")
+    read_generation_config(directory)
+    meta = read_meta(directory)
+    if meta is not None and meta.weights_sha256 and weights_digest(directory) != meta.weights_sha256:
+        raise LmopsError(
+            f"{directory / WEIGHTS_FILE}: corrupt weights file (its sha256 is not the "
+            f"weights_sha256 that {META_FILE} recorded at export)"
+        )
+    return meta
+
+
+def write_model_dir(model: Llama, tokenizer_dir: Path, directory: Path, meta: ModelMeta) -> None:
+    """The whole directory from a model and a tokenizer directory, atomically: the model's
+    files (`Llama.save_pretrained`), the tokenizer's, and `meta` with the weights' digest
+    as lmops.json."""
+    for name in TOKENIZER_FILES:
+        if not (tokenizer_dir / name).is_file():
+            raise LmopsError(f"{tokenizer_dir / name} not found: run `lmops tokenize` first")
+    with atomic.directory(directory) as tmp:
+        model.save_pretrained(tmp)
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(tokenizer_dir / name, tmp / name)
+        write_meta(tmp, meta.model_copy(update={"weights_sha256": weights_digest(tmp)}))
+        missing = [f for f in MODEL_FILES if not (tmp / f).is_file()]
+        assert not missing, f"model directory incomplete: {missing}"
+
+
+def export(source: Path, target: Path, **facts) -> ModelMeta:
+    """Copy the model directory `source` to `target` atomically, `facts` (registry name,
+    version, metrics, ...) merged into its lmops.json; a plain HF directory gets one.
+
+    Contents only (`copyfile`, not `copytree`'s copy of modes): the export gets the
+    ordinary modes of the umask even when the source (a private temporary download,
+    an older export) is 0600/0700, so a container user can read a baked-in model.
+    """
+    meta = verify(source) or ModelMeta()
+    if "metrics" in facts:
+        facts["metrics"] = {**meta.metrics, **facts["metrics"]}
+    raw = {**meta.model_dump(), **facts}
+    try:
+        merged = ModelMeta.model_validate(raw)
+    except ValidationError as exc:
+        raise LmopsError(f"cannot export {source} to {target}: {meta_problem(exc, raw)}") from None
+    with atomic.directory(target) as tmp:
+        for src in source.iterdir():
+            if src.is_file() and src.name != META_FILE:
+                shutil.copyfile(src, tmp / src.name)
+        if not merged.weights_sha256:
+            merged = merged.model_copy(update={"weights_sha256": weights_digest(tmp)})
+        write_meta(tmp, merged)
+    return merged
+
+
+def download(model_uri: str, dst: Path) -> Path:
+    """Download a logged model (`models:/name@alias`, `models:/name/N`, `runs:/...`) with the
+    MLflow client into `dst`; return the model directory inside it."""
+    import mlflow.artifacts  # lazily: ~2 s, and only a registry download needs it
+    from mlflow.exceptions import MlflowException
+
+    try:
+        root = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dst)))
+    except MlflowException as exc:
+        raise LmopsError(f"could not download {model_uri}: {exc.message}") from None
+    for config in sorted(root.rglob(CONFIG_FILE)):
+        if (config.parent / WEIGHTS_FILE).is_file():
+            return config.parent
+    raise LmopsError(f"{model_uri} holds no model directory (no {CONFIG_FILE} + {WEIGHTS_FILE})")
