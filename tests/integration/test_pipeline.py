@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from lmops.pipeline.promote import FAULT_ENV
+from lmops.crash_points import ENV as CRASH_AT
 from lmops.runtime.model import MODEL_FILES, Llama
 from tests.conftest import BIN, env, make_project, run, write_params
 
@@ -168,7 +168,9 @@ def served_meta(project) -> dict:
 def test_a_promotion_killed_after_the_alias_moved_is_recovered(project):
     write_params(project, {"train": {"max_steps": 20}}, base=project / "params.yaml")  # beats 4 steps
     held = served_meta(project)["model_version"]
-    crash = run([str(BIN / "dvc"), "repro"], project, check=False, env={**env(), FAULT_ENV: "1"})
+    crash = run(
+        [str(BIN / "dvc"), "repro"], project, check=False, env={**env(), CRASH_AT: "promote.alias_moved"}
+    )
     assert crash.returncode != 0
     champion = registry(project).get_model_version_by_alias("lmops", "champion")
     assert int(champion.version) != held and served_meta(project)["model_version"] == held  # apart

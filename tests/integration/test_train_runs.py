@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from lmops.pipeline.train import FAULT_ENV
+from lmops.crash_points import ENV as CRASH_AT
 from tests.conftest import BIN, env, run
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def test_sigkilled_training_resumes_to_the_same_weights(tokenized_project, tmp_p
     run([str(BIN / "lmops"), "train"], straight)
 
     killed = _copy(tokenized_project, tmp_path / "killed")
-    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), FAULT_ENV: "15"})
+    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), CRASH_AT: "train.step:15"})
     assert crash.returncode == -signal.SIGKILL
     state = json.loads((killed / "artifacts/checkpoints/state.json").read_text())
     assert state["step"] == 10  # steps 11..15 were lost with the process
@@ -75,7 +75,7 @@ def test_compiled_training_follows_eager_and_resumes_exactly(tokenized_project, 
         assert b == pytest.approx(a, rel=0.02), step
 
     killed = _with(_copy(tokenized_project, tmp_path / "killed"), compile=True)
-    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), FAULT_ENV: "15"})
+    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), CRASH_AT: "train.step:15"})
     assert crash.returncode == -signal.SIGKILL
     assert (
         "resuming from artifacts/checkpoints at step 10" in run([str(BIN / "lmops"), "train"], killed).stderr
@@ -97,7 +97,7 @@ def test_training_without_a_compiler_falls_back_to_eager(tokenized_project, tmp_
 
 def test_changed_params_ignore_an_old_checkpoint(tokenized_project, tmp_path):
     project = _copy(tokenized_project, tmp_path / "p")
-    run([str(BIN / "lmops"), "train"], project, env={**env(), FAULT_ENV: "12"}, check=False)
+    run([str(BIN / "lmops"), "train"], project, env={**env(), CRASH_AT: "train.step:12"}, check=False)
     text = (project / "params.yaml").read_text().replace("max_steps: 20", "max_steps: 12")
     (project / "params.yaml").write_text(text)
     out = run([str(BIN / "lmops"), "train"], project)
@@ -106,7 +106,7 @@ def test_changed_params_ignore_an_old_checkpoint(tokenized_project, tmp_path):
 
 def test_corrupt_checkpoint_stops_with_a_clear_error(tokenized_project, tmp_path):
     project = _copy(tokenized_project, tmp_path / "p")
-    run([str(BIN / "lmops"), "train"], project, env={**env(), FAULT_ENV: "10"}, check=False)
+    run([str(BIN / "lmops"), "train"], project, env={**env(), CRASH_AT: "train.step:10"}, check=False)
     weights = project / "artifacts/checkpoints/optimizer.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     out = run([str(BIN / "lmops"), "train"], project, check=False)
@@ -201,7 +201,7 @@ def test_keep_best_exports_the_lowest_validation_loss_and_survives_sigkill(token
 
     # Killed after the best step and after a checkpoint: the best weights come from the checkpoint.
     killed = _overfitting_project(tokenized_project, tmp_path / "killed", {})
-    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), FAULT_ENV: "25"})
+    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), CRASH_AT: "train.step:25"})
     assert crash.returncode == -signal.SIGKILL
     assert (
         "resuming from artifacts/checkpoints at step 20" in run([str(BIN / "lmops"), "train"], killed).stderr
@@ -258,7 +258,7 @@ def test_a_longer_plateau_run_is_the_shorter_one_continued(tokenized_project, tm
 
     # Killed after cuts and a checkpoint: the resumed run makes the same cuts, ends the same.
     killed = _overfitting_project(tokenized_project, tmp_path / "killed", {**plateau, "max_steps": 28})
-    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), FAULT_ENV: "25"})
+    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), CRASH_AT: "train.step:25"})
     assert crash.returncode == -signal.SIGKILL
     assert (
         "resuming from artifacts/checkpoints at step 20" in run([str(BIN / "lmops"), "train"], killed).stderr
