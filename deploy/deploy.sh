@@ -18,12 +18,7 @@
 # shellcheck source=lib.sh
 source "$(dirname "$0")/lib.sh"
 
-for arg in "$@"; do
-  case "$arg" in
-    --dry-run) DRY_RUN=1 ;;
-    *) die "usage: deploy/deploy.sh [--dry-run]" ;;
-  esac
-done
+only_dry_run "deploy/deploy.sh [--dry-run]" "$@"
 
 # wait_for_canary TIMEOUT: poll the Rollout until Argo Rollouts has promoted the new
 # version (phase Healthy) or aborted it (Degraded: an analysis failed or errored, or

@@ -18,9 +18,9 @@
 source "$(dirname "$0")/lib.sh"
 
 actions=()
-for arg in "$@"; do
+split_args "$@"
+for arg in "${ARGS[@]}"; do
   case "$arg" in
-    --dry-run) DRY_RUN=1 ;;
     pull | refresh | repro | push) actions+=("$arg") ;;
     *) die "usage: deploy/dvc.sh [--dry-run] pull|refresh|repro|push ..." ;;
   esac

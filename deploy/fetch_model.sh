@@ -6,12 +6,7 @@
 # shellcheck source=lib.sh
 source "$(dirname "$0")/lib.sh"
 
-for arg in "$@"; do
-  case "$arg" in
-    --dry-run) DRY_RUN=1 ;;
-    *) die "usage: deploy/fetch_model.sh [--dry-run]" ;;
-  esac
-done
+only_dry_run "deploy/fetch_model.sh [--dry-run]" "$@"
 : "${MLFLOW_TRACKING_URI:?set MLFLOW_TRACKING_URI, the MLflow server holding the registry}"
 model_uri=${MODEL_URI:-models:/lmops@champion}
 export_dir=${EXPORT_DIR:-production_service/model}

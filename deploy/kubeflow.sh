@@ -30,9 +30,9 @@
 source "$(dirname "$0")/lib.sh"
 
 action=""
-for arg in "$@"; do
+split_args "$@"
+for arg in "${ARGS[@]}"; do
   case "$arg" in
-    --dry-run) DRY_RUN=1 ;;
     deploy | train | pipeline | schedule) action=$arg ;;
     *) die "usage: deploy/kubeflow.sh [--dry-run] deploy|train|pipeline|schedule" ;;
   esac

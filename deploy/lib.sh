@@ -38,6 +38,23 @@ truthy() {
 
 dry_run() { truthy "$DRY_RUN"; }
 
+# split_args ARG...: every script's --dry-run (sets DRY_RUN=1); the other arguments in ARGS.
+split_args() {
+  ARGS=()
+  local arg
+  for arg in "$@"; do
+    if [ "$arg" = --dry-run ]; then DRY_RUN=1; else ARGS+=("$arg"); fi
+  done
+}
+
+# only_dry_run USAGE ARG...: for the scripts that take no argument but --dry-run.
+only_dry_run() {
+  local usage=$1
+  shift
+  split_args "$@"
+  [ "${#ARGS[@]}" -eq 0 ] || die "usage: $usage"
+}
+
 # trace WORD...: print a command as it would run, secrets masked.
 trace() {
   local line name value

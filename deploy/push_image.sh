@@ -11,12 +11,7 @@
 # shellcheck source=lib.sh
 source "$(dirname "$0")/lib.sh"
 
-for arg in "$@"; do
-  case "$arg" in
-    --dry-run) DRY_RUN=1 ;;
-    *) die "usage: deploy/push_image.sh [--dry-run]" ;;
-  esac
-done
+only_dry_run "deploy/push_image.sh [--dry-run]" "$@"
 CLOUD=${CLOUD:-}
 registry=$(registry_for "$CLOUD")
 host=$(registry_host "$registry")

@@ -13,9 +13,9 @@
 source "$(dirname "$0")/lib.sh"
 
 url=""
-for arg in "$@"; do
+split_args "$@"
+for arg in "${ARGS[@]}"; do
   case "$arg" in
-    --dry-run) DRY_RUN=1 ;;
     http://* | https://*) url=${arg%/} ;;
     *) die "usage: deploy/smoke_test.sh [--dry-run] [URL]" ;;
   esac

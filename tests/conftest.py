@@ -143,6 +143,7 @@ def make_trained_model_dir(directory: Path, steps: int = 150, seed: int = 0) -> 
 
     from lmops.pipeline.evaluate import score
     from lmops.pipeline.params import EvaluateConfig
+    from lmops.pipeline.random_model import TINY
     from lmops.pipeline.tokenize_stage import save_tokenizer, train_tokenizer
     from lmops.runtime.model import Llama, LlamaConfig
     from lmops.runtime.model_dir import ModelMeta, write_meta
@@ -155,15 +156,8 @@ def make_trained_model_dir(directory: Path, steps: int = 150, seed: int = 0) -> 
     tok = train_tokenizer([train_text], vocab_size=512)
     ids = torch.from_numpy(encode(tok, train_text))
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        n_layer=2,
-        n_head=4,
-        n_kv_heads=2,
-        n_embd=96,
-        intermediate_size=192,
-        max_seq_len=256,
-    )
+    shape = {**TINY, "n_embd": 96, "intermediate_size": 192}  # wide enough to learn in 150 steps
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), max_seq_len=256, **shape)
     model = Llama(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = np.random.default_rng(seed)

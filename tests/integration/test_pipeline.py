@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from lmops.crash_points import ENV as CRASH_AT
-from lmops.runtime.model import MODEL_FILES, Llama
+from lmops.runtime.model import Llama
+from lmops.runtime.model_dir import MODEL_FILES
 from tests.conftest import BIN, env, make_project, run, write_params
 
 pytestmark = pytest.mark.slow

@@ -14,18 +14,9 @@ TEXT = "".join(f"print('line {i} → ok')\n" for i in range(300))
 
 def test_uniform_model_scores_log_vocab_nats_per_token():
     tok = train_tokenizer([TEXT], vocab_size=300)
-    model = Llama(
-        LlamaConfig(
-            vocab_size=tok.get_vocab_size(),
-            n_layer=1,
-            n_head=2,
-            n_kv_heads=1,
-            n_embd=16,
-            intermediate_size=32,
-            max_seq_len=32,
-            tie_embeddings=False,
-        )
-    ).eval()
+    shape = {"n_layer": 1, "n_head": 2, "n_kv_heads": 1, "n_embd": 16, "intermediate_size": 32}
+    model = Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), max_seq_len=32, tie_embeddings=False, **shape))
+    model.eval()
     torch.nn.init.zeros_(model.lm_head.weight)  # every logit 0: a uniform distribution
     result = score(model, tok, TEXT, EvaluateConfig(max_batches=1000, batch_size=4))
     ids = encode(tok, TEXT)
