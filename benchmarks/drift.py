@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
         load_before = os.getloadavg()  # 1-minute averages: was anything else running?
         for name, (rounds, new) in workloads(
-            some.config.vocab_size, some.max_model_len, args.quick, res["rounds"]
+            some.model_config.vocab_size, some.max_model_len, args.quick, res["rounds"]
         ).items():
             print(f"{name}: {len(rounds[0])} requests", file=sys.stderr)
             res[name] = measure(engines, rounds, new)

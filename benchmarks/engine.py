@@ -122,7 +122,7 @@ def greedy(new: int) -> SamplingParams:
 def workload_a(engines: dict[str, LLMEngine], hf: HF, prompt_len: int, new: int, repeats: int) -> dict:
     """Each engine (eager, compiled) and HF take turns, `repeats` times; medians."""
     rng = random.Random(1)
-    vocab = next(iter(engines.values())).config.vocab_size
+    vocab = next(iter(engines.values())).model_config.vocab_size
     prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
     ours: dict[str, list[float]] = {name: [] for name in engines}
     theirs = []
@@ -146,7 +146,7 @@ def workload_b(
     engine: LLMEngine, hf: HF, n_req: int, lo: int, hi: int, new: int, hf_one_by_one: int, rounds: int
 ) -> dict:
     rng = random.Random(2)
-    V = engine.config.vocab_size
+    V = engine.model_config.vocab_size
     prompts = [[rng.randrange(3, V) for _ in range(rng.randint(lo, hi))] for _ in range(n_req)]
     alloc: list[int] = []
     real: list[int] = []

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
             q: LLMEngine.from_pretrained(model_dir, device="cpu", quantization=q, enable_prefix_caching=False)
             for q in (None, "int8")
         }
-    V = engines[None].config.vocab_size
+    V = engines[None].model_config.vocab_size
     prompts = {
         "A": [rng.randrange(3, V) for _ in range(128)],
         "B": [[rng.randrange(3, V) for _ in range(rng.randint(16, 512))] for _ in range(n_b)],

@@ -81,7 +81,7 @@ class Runtime:
             self.generation_config = generation
             self.limits = Limits(
                 max_model_len=engine.max_model_len,
-                vocab_size=engine.config.vocab_size,
+                vocab_size=engine.model_config.vocab_size,
                 max_num_seqs=engine.max_num_seqs,
                 max_token_chars=max(map(len, engine.tokenizer.get_vocab())),
             )

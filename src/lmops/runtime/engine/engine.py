@@ -65,7 +65,7 @@ class LLMEngine:
         cfg = model.config
         self.engine_config = engine_config = engine_config or EngineConfig()
         model = quantize(model, engine_config.quantization)  # in place, before the runner fuses weights
-        self.model, self.tokenizer, self.config = model.eval(), tokenizer, cfg
+        self.model, self.tokenizer, self.model_config = model.eval(), tokenizer, cfg
         self.max_model_len = cfg.max_seq_len
         self.block_size = engine_config.block_size
         self.max_num_seqs = engine_config.max_num_seqs
@@ -126,7 +126,7 @@ class LLMEngine:
         return cls(model, tokenizer, ec, eos_token_ids=eos_token_ids(d, model.config.eos_token_id))
 
     def _num_blocks(self, kv_cache_memory: int | None) -> int:
-        per_block = KVPool.bytes_per_block(self.config, self.block_size, self.dtype)
+        per_block = KVPool.bytes_per_block(self.model_config, self.block_size, self.dtype)
         min_blocks = -(-self.max_model_len // self.block_size)
         if kv_cache_memory is None:
             # Room for max_num_seqs full-length sequences, twice over (the spare blocks keep
@@ -161,7 +161,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False).ids
         else:
             text, ids = None, list(prompt)
-            vocab = self.config.vocab_size
+            vocab = self.model_config.vocab_size
             if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not ids:

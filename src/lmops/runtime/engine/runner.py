@@ -61,7 +61,7 @@ class PrefillSeg:
 
 
 class PagedAttention:
-    """Attention through block tables for one step; also usable as model.py's `cache` hook."""
+    """Attention through block tables for one step (the runner's fused forward calls it per layer)."""
 
     def __init__(
         self, pool: KVPool, slot_mapping: torch.Tensor, groups: list[ContextGroup], prefills: list[PrefillSeg]
@@ -72,10 +72,6 @@ class PagedAttention:
         self._workspace: torch.Tensor | None = None
         per_block = pool.kv.shape[1] * pool.kv.shape[3] * pool.kv.shape[4]
         self._workspace_size = max((g.block_ids.shape[0] for g in groups), default=0) * per_block
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """model.py's AttentionCache protocol: (1, T, heads, D) tensors."""
-        return self(layer, q[0], torch.cat((k[0], v[0]), 1))[None]
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """q: (T, H, D); kv: (T, 2 * Hkv, D), K heads then V heads -> (T, H, D)."""
