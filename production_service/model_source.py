@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmops.errors import LmopsError
-from lmops.runtime.model_dir import CONFIG_FILE, ModelMeta, download, verify
+from lmops.runtime.model_dir import CONFIG_FILE, ModelMeta, download, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def resolve_model(model_dir: Path, model_uri: str | None = None) -> ModelInfo:
                 f"{path}: not a model directory (missing {CONFIG_FILE}); "
                 "run `make run` to promote one, or set LMOPS_MODEL_DIR / LMOPS_MODEL_URI"
             )
-    meta = verify(path)
+    meta = read_meta(path)  # the weights are verified when the engine loads them
     facts = (
         {}
         if meta is None

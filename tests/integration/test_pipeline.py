@@ -120,6 +120,11 @@ def test_registry_champion_and_pyfunc(project, monkeypatch):
         run_.data.metrics
     )
     assert run_.data.params["model.n_layer"] == "2"
+    # evaluate logs its test numbers only: val_loss has no stray point at step 0
+    assert all(m.step > 0 for m in client.get_metric_history(run_.info.run_id, "val_loss"))
+    # the UI opens the experiment on its runs and models, not on the GenAI traces view
+    experiment = client.get_experiment(run_.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project}/mlflow.db")  # not global state
     model = mlflow.pyfunc.load_model("models:/lmops@champion")
     out = model.predict(["def ", "import "], params={"max_tokens": 5, "temperature": 0.0})

@@ -112,7 +112,9 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
 
     if meta.run_id:
         tracking.configure(params.mlflow)
-        numeric = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        # The test numbers only: val_loss is training's, and logging it again would add a
+        # stray point at step 0 to its curve.
+        numeric = {k: v for k, v in metrics.items() if k.startswith("test_") and isinstance(v, int | float)}
         tracking.log_metrics(meta.run_id, numeric)
         tracking.client().log_artifact(meta.run_id, str(SAMPLES_FILE))
         tracking.client().log_artifact(meta.run_id, str(METRICS_FILE))

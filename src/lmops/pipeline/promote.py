@@ -60,7 +60,7 @@ def exported_version(export_dir: Path) -> tuple[str, str] | None:
     return meta.model_name, str(meta.model_version)
 
 
-def reconcile(cfg: PromoteConfig, model_dir: Path) -> None:
+def reconcile(cfg: PromoteConfig, model_dir: Path, just_promoted: bool = False) -> None:
     """Make the export hold @champion: export it when the export holds anything else.
 
     The champion's files come from `model_dir` when that is the champion's run
@@ -75,7 +75,12 @@ def reconcile(cfg: PromoteConfig, model_dir: Path) -> None:
         return
     if held is not None or (export_dir.is_dir() and any(export_dir.iterdir())):  # template.py makes it empty
         what = f"{held[0]} v{held[1]}" if held else "an unknown model"
-        log.warning("%s holds %s, not @%s v%s: re-exporting", export_dir, what, cfg.alias, champion.version)
+        # Right after the alias moved, the old champion is expected there; otherwise the export
+        # was stale (a promotion killed between its steps, a deleted or hand-edited export).
+        level = logging.INFO if just_promoted else logging.WARNING
+        log.log(
+            level, "%s holds %s, not @%s v%s: exporting it", export_dir, what, cfg.alias, champion.version
+        )
     tags = champion.tags or {}
     local = read_meta(model_dir)
     with tempfile.TemporaryDirectory(prefix="lmops-export-") as tmp:
@@ -165,7 +170,7 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
     if promoted:
         client.set_registered_model_alias(cfg.model_name, cfg.alias, version.version)
         crash_points.reached("promote.alias_moved")
-        reconcile(cfg, model_dir)
+        reconcile(cfg, model_dir, just_promoted=True)
     atomic.write_json(PROMOTION_FILE, decision)
     log.info("promotion: %s v%s: %s", "PROMOTED" if promoted else "kept champion", version.version, reason)
     return decision

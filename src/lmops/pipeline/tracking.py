@@ -65,18 +65,27 @@ def store_errors(uri: str) -> Iterator[None]:
         raise LmopsError(f"MLflow tracking at {uri}: {first}") from None
 
 
+# The MLflow UI opens an experiment of this kind on its runs and models, not its GenAI
+# (traces) view.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def configure(cfg: MlflowConfig) -> str:
-    """Point MLflow at the tracking store; return the experiment id (created if needed)."""
+    """Point MLflow at the tracking store; return the experiment id (created if needed, as a
+    model-training experiment)."""
     mlflow = _mlflow()
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
     with store_errors(uri):
         exp = mlflow.get_experiment_by_name(cfg.experiment)
         if exp is not None:
+            for key, value in EXPERIMENT_KIND.items():
+                if exp.tags.get(key) != value:
+                    client().set_experiment_tag(exp.experiment_id, key, value)
             return exp.experiment_id
         local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
         location = Path(cfg.artifact_location).resolve().as_uri() if local else None
-        return mlflow.create_experiment(cfg.experiment, artifact_location=location)
+        return mlflow.create_experiment(cfg.experiment, artifact_location=location, tags=EXPERIMENT_KIND)
 
 
 def client():
@@ -244,4 +253,6 @@ def register(name: str, run_id: str, tags: dict[str, str]):
         for key, value in tags.items():
             c.set_model_version_tag(name, version.version, key, value)
         return version
-    return mlflow.register_model(logged_model_uri(run_id), name, tags=tags)
+    model_uri = logged_model_uri(run_id)  # models:/<model_id>
+    model_id = model_uri.removeprefix("models:/")
+    return c.create_model_version(name, source=model_uri, run_id=run_id, tags=tags, model_id=model_id)
