@@ -217,6 +217,26 @@ else:
     raise SystemExit("resolved a model without a registry")
 ' 2>&1 | grep -v systemd >&2
 
+# The serving image carries the runtime half of lmops only (DESIGN.md: two halves).
+$engine run --rm --read-only "$image" python -c '
+import importlib.util, shutil
+assert importlib.util.find_spec("lmops.runtime.engine"), "no runtime in the serving image"
+for absent in ("lmops.pipeline", "dvc", "transformers", "pandas"):
+    assert importlib.util.find_spec(absent) is None, f"the serving image carries {absent}"
+assert shutil.which("lmops") is None, "the serving image has the pipeline command"
+print("image-test: the serving image holds the runtime half only")
+'
+
 serve baked
 serve mounted --volume "$WORK/mounted-model:/app/production_service/model:ro"
-echo "image-test passed: $image (built and served by $engine)" >&2
+
+# The pipeline target (Kubeflow's steps): the whole lmops and its command, as user 10001.
+started=$SECONDS
+IMAGE_TARGET=pipeline CONTAINER_ENGINE=$engine CONTEXT=$context deploy/build_image.sh -- "${build_opts[@]}"
+pipeline_image="lmops:$(IMAGE_TARGET=pipeline image_tag)"
+echo "image-test: built $pipeline_image in $((SECONDS - started)) s" >&2
+$engine run --rm --read-only --tmpfs /tmp:rw,mode=1777 "${ulimits[@]}" "$pipeline_image" sh -c '
+  test "$(id -u)" = 10001 && lmops --help >/dev/null &&
+  python -c "import dvc, mlflow, lmops.pipeline.train, lmops.pipeline.promote" &&
+  echo "image-test: the pipeline image runs lmops as user $(id -u)"'
+echo "image-test passed: $image and $pipeline_image (built and run by $engine)" >&2
