@@ -6,8 +6,9 @@ unchanged, and parity with `transformers` is a test, not a hope.
 
 Attention is the one pluggable part: `forward(..., cache=None)` runs plain causal
 attention over whole sequences (training, evaluation); a cache object with an
-`attend(layer, q, k, v)` method decides where keys and values live (the
-contiguous `KVCache` below for `generate`, the paged cache of the engine).
+`attend(layer, q, k, v)` method decides where keys and values live: the
+contiguous `KVCache` below, the reference that the engine (whose fused forward
+attends over its paged cache itself, engine/runner.py) is tested against.
 """
 
 from __future__ import annotations
