@@ -110,6 +110,12 @@ class CompiledDecode:
 
         self.cache_dir = Path(cache_dir()) / "lmops-decode"
         key = _structure_key(forward, pool)
+        log.info(
+            "compiling decode for batch sizes %s (on 2 CPU cores: 30-50 s the first time, 2-3 s "
+            "from %s after that; LMOPS_COMPILE=0 skips it)",
+            self.sizes,
+            self.cache_dir,
+        )
         t = time.perf_counter()
         self._steps = {b: self._load_or_compile(b, f"{key}-b{b}.bin") for b in self.sizes}
         self.compile_seconds = time.perf_counter() - t
