@@ -105,8 +105,10 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
         f"seed {s.seed}, run {meta.run_id})",
         "",
     ]
+    # Python highlighting for the default corpus only: the samples read like the corpus.
+    fence = "```python" if params.data.source == "python-stdlib" else "```text"
     for prompt, completion in samples:
-        lines += [f"## `{prompt}`", "", "```python", prompt + completion, "```", ""]
+        lines += [f"## `{prompt}`", "", fence, prompt + completion, "```", ""]
     atomic.write_text(SAMPLES_FILE, "\n".join(lines))
     atomic.write_json(METRICS_FILE, metrics)
 

@@ -164,6 +164,28 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
             f"{score:.4f} >= champion v{champion.version} {champ_bpb:.4f} bits/byte ({how})",
         )
     decision.update(promoted=promoted, reason=reason, alias=cfg.alias)
+    other_data = (
+        champion is not None
+        and not is_champion
+        and (champion.tags or {}).get("data_sha256")
+        not in (
+            None,
+            str(meta.data_sha256),
+        )
+    )
+    if promoted and other_data:
+        # Champions are scoped by promote.model_name: a new corpus under the same name
+        # competes with (and here replaces) the model of the old one.
+        log.warning(
+            "v%s replaces @%s v%s, which was trained on other data (corpus sha256 %s..., now %s...); "
+            "give each corpus its own promote.model_name to keep their champions apart",
+            version.version,
+            cfg.alias,
+            champion.version,
+            str(champion.tags.get("data_sha256"))[:12],
+            str(meta.data_sha256)[:12],
+        )
+    decision["champion_trained_on_other_data"] = other_data
 
     client = tracking.client()
     client.set_model_version_tag(cfg.model_name, version.version, "promotion", reason)
