@@ -160,6 +160,7 @@ def test_new_data_re_evaluates_the_champion(project):
     assert ran_stages(repro(project))[0] == "split"
     promotion = json.loads((project / "artifacts/promotion.json").read_text())
     assert "re-evaluated on the current test split" in promotion["reason"]
+    assert promotion["champion_trained_on_other_data"] is False  # a new split of the same corpus
     tags = registry(project).get_model_version("lmops", str(promotion["champion_version"])).tags
     assert (
         tags["test_split_sha256"]

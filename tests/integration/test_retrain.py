@@ -66,5 +66,6 @@ def test_a_changed_source_trains_and_only_a_promotion_marks_a_release(project):
     assert ran[:4] == ["get_data", "split", "tokenize", "train"] and "promote" in ran
     promotion = json.loads((project / "artifacts" / "promotion.json").read_text())
     assert (marker is not None) == promotion["promoted"]
+    assert promotion["champion_trained_on_other_data"] is True  # and promote says so if it replaces it
     if marker is not None:
         assert json.loads(marker) == promotion
