@@ -218,7 +218,7 @@ else:
 ' 2>&1 | grep -v systemd >&2
 
 # The serving image carries the runtime half of lmops only (DESIGN.md: two halves).
-$engine run --rm --read-only "$image" python -c '
+$engine run --rm --read-only "${ulimits[@]}" "$image" python -c '
 import importlib.util, shutil
 assert importlib.util.find_spec("lmops.runtime.engine"), "no runtime in the serving image"
 for absent in ("lmops.pipeline", "dvc", "transformers", "pandas"):
