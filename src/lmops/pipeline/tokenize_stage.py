@@ -3,7 +3,7 @@ of the train split, and every split encoded into sharded token files with an ind
 
 It streams: the splits are read in blocks and cut into the pieces the runtime encodes
 (`lmops.runtime.tokenizer.chunks`: ~64K characters ending at a newline, so the ids are
-those of encoding the whole text), encoded a batch at a time with `encode_batch` (all
+those of encoding the whole text), encoded a batch at a time with `encode_batch_fast` (all
 cores) and appended to shards of at most `tokenizer.shard_bytes`. The token directory
 (data/processed/tokens: `<split>-<part>-<shard>.bin`, flat little-endian ids for
 np.memmap, and `index.json`) is written beside and renamed into place whole, so a stage
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from lmops import atomic
+from lmops import atomic, crash_points
 from lmops.errors import LmopsError
 from lmops.pipeline.data import READ_BYTES, SPLITS, progress
 from lmops.pipeline.params import TokenizerConfig
@@ -153,11 +153,12 @@ class TrainingSample:
 def encode_chunks(
     tok: Tokenizer, chunks: Iterable[tuple[int, str]], dtype: np.dtype, bar
 ) -> Iterator[np.ndarray]:
-    """The ids of `chunks`, a batch at a time through `encode_batch` (its threads use every core)."""
+    """The ids of `chunks`, a batch at a time through `encode_batch_fast` (its threads use every
+    core; the same ids as `encode_batch`, without the offsets, in less time and memory)."""
     batch_size = max(16, 4 * (os.cpu_count() or 1))
     it = iter(chunks)
     while batch := list(itertools.islice(it, batch_size)):
-        encodings = tok.encode_batch([text for _, text in batch], add_special_tokens=False)
+        encodings = tok.encode_batch_fast([text for _, text in batch], add_special_tokens=False)
         yield np.concatenate([np.asarray(e.ids, dtype=dtype) for e in encodings])
         bar.update(sum(n for n, _ in batch))
 
@@ -171,6 +172,7 @@ def _write_shards(directory: Path, stem: str, arrays: Iterable[np.ndarray], shar
             if fh is None or shards[-1]["tokens"] == shard_tokens:
                 if fh is not None:
                     fh.close()
+                crash_points.reached("tokenize.shard", len(shards))
                 shards.append(
                     {"file": f"{stem}-{len(shards):05d}.bin", "tokens": 0, "sha256": hashlib.sha256()}
                 )
