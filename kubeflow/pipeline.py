@@ -1,7 +1,10 @@
 """The lmops pipeline on Kubeflow Pipelines (KFP v2).
 
 Each step is one DVC stage, `lmops <stage>`, run in the lmops pipeline image (the Dockerfile's `pipeline` target); the data, the
-tokenizer, the model and the metrics pass between steps as KFP artifacts. Train,
+tokenizer, the model and the metrics pass between steps as KFP artifacts. The tokenize
+stage runs as steps of the same code: the tokenizer (`--tokenizer-only`), then
+TOKENIZE_PARTS encoders in parallel (`dsl.ParallelFor`, `--part K/N`: each a byte range of
+every split), then `--merge` of their token directories into the one training reads. Train,
 evaluate and promote share the MLflow tracking server given as the pipeline's
 `mlflow_tracking_uri` (promote registers the model there as @champion).
 
@@ -28,24 +31,47 @@ DEFAULT_IMAGE = (
     "lmops:dev-pipeline"  # the Dockerfile's pipeline target (deploy/kubeflow.sh passes the pushed one)
 )
 
+TOKENIZE_PARTS = 4  # encoders the tokenize stage fans out to
+
+# The artifacts of a collected list to DEST/0, DEST/1, ...: their URIs, read from KFP's JSON,
+# at the local paths the launcher mounts them on (gs:// -> /gcs/, minio:// -> /minio/, s3:// -> /s3/).
+IN_LIST = r"""import json, shutil, sys
+def uris(o):
+    if isinstance(o, dict):
+        for k, v in o.items():
+            yield from [v] if k == "uri" and isinstance(v, str) else uris(v)
+    elif isinstance(o, list):
+        for v in o:
+            yield from uris(v)
+mounts = {"gs://": "/gcs/", "minio://": "/minio/", "s3://": "/s3/"}
+for i, uri in enumerate(uris(json.loads(sys.argv[2]))):
+    path = next((m + uri[len(s):] for s, m in mounts.items() if uri.startswith(s)), uri)
+    shutil.copytree(path, f"{sys.argv[1]}/{i}")
+"""
+
 # Runs one stage in a fresh workspace: copy the image's params.yaml and each input
-# artifact to the path the stage reads (--in PATH SRC), run the stage, copy each
-# path it wrote to its output artifact (--out PATH DST).
-RUN_STAGE = r"""set -eu
-stage=$1
+# artifact to the path the stage reads (--in PATH SRC; --in-list PATH LIST: each artifact
+# of a collected list, as KFP's JSON names them, to PATH/<i>), run the stage with its
+# options (--arg A), copy each path it wrote to its output artifact (--out PATH DST).
+RUN_STAGE = (
+    f"set -eu\nIN_LIST='{IN_LIST}'\n"
+    + r"""stage=$1
 shift
 cd "$(mktemp -d)"
 cp "${LMOPS_APP:-/app}/params.yaml" .
 outputs=""
+options=""
 while [ $# -gt 0 ]; do
   case $1 in
     --mlflow) export MLFLOW_TRACKING_URI="$2"; shift 2 ;;
     --in) mkdir -p "$(dirname "$2")"; cp -R "$3" "$2"; shift 3 ;;
+    --in-list) python3 -c "$IN_LIST" "$2" "$3"; shift 3 ;;
+    --arg) options="$options $2"; shift 2 ;;
     --out) outputs="$outputs $2=$3"; shift 3 ;;
     *) echo "run_stage: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-lmops "$stage"
+lmops "$stage" $options
 for pair in $outputs; do
   dst=${pair#*=}
   rm -rf "$dst"
@@ -53,6 +79,7 @@ for pair in $outputs; do
   cp -R "${pair%%=*}" "$dst"
 done
 """
+)
 
 
 def build_pipeline(image: str = DEFAULT_IMAGE):
@@ -81,18 +108,52 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
         )
 
     @dsl.container_component
-    def tokenize(splits: Input[Dataset], tokens: Output[Dataset], tokenizer: Output[Artifact]):
+    def train_tokenizer(splits: Input[Dataset], tokenizer: Output[Artifact]):
         return stage(
             "tokenize",
+            "--arg",
+            "--tokenizer-only",
             "--in",
             "data/processed",
             splits.path,
             "--out",
-            "data/processed",
-            tokens.path,
-            "--out",
             "artifacts/tokenizer",
             tokenizer.path,
+        )
+
+    @dsl.container_component
+    def encode_part(part: int, splits: Input[Dataset], tokenizer: Input[Artifact], tokens: Output[Dataset]):
+        return stage(
+            "tokenize",
+            "--arg",
+            "--part",
+            "--arg",
+            dsl.ConcatPlaceholder([part, f"/{TOKENIZE_PARTS}"]),
+            "--in",
+            "data/processed",
+            splits.path,
+            "--in",
+            "artifacts/tokenizer",
+            tokenizer.path,
+            "--out",
+            "data/processed/tokens",
+            tokens.path,
+        )
+
+    @dsl.container_component
+    def merge_tokens(parts: Input[list[Dataset]], tokens: Output[Dataset]):
+        return stage(
+            "tokenize",
+            "--arg",
+            "--merge",
+            "--arg",
+            "data/processed/token-parts",
+            "--in-list",
+            "data/processed/token-parts",
+            parts,
+            "--out",
+            "data/processed/tokens",
+            tokens.path,
         )
 
     @dsl.container_component
@@ -115,7 +176,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
             "artifacts/data_report.json",
             report.path,
             "--in",
-            "data/processed",
+            "data/processed/tokens",
             tokens.path,
             "--in",
             "artifacts/tokenizer",
@@ -129,7 +190,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
     def evaluate(
         mlflow_tracking_uri: str,
         model: Input[Model],
-        tokens: Input[Dataset],
+        splits: Input[Dataset],
         metrics: Output[Artifact],
         samples: Output[Markdown],
     ):
@@ -142,7 +203,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
             model.path,
             "--in",
             "data/processed",
-            tokens.path,
+            splits.path,
             "--out",
             "artifacts/metrics.json",
             metrics.path,
@@ -156,7 +217,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
         mlflow_tracking_uri: str,
         model: Input[Model],
         metrics: Input[Artifact],
-        tokens: Input[Dataset],
+        splits: Input[Dataset],
         promotion: Output[Artifact],
     ):
         return stage(
@@ -171,7 +232,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
             metrics.path,
             "--in",
             "data/processed",
-            tokens.path,
+            splits.path,
             "--out",
             "artifacts/promotion.json",
             promotion.path,
@@ -181,25 +242,29 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
     def lmops_pipeline(mlflow_tracking_uri: str):
         raw = get_data().outputs["raw"]
         split_task = split(raw=raw)
-        tok = tokenize(splits=split_task.outputs["splits"])
+        splits = split_task.outputs["splits"]
+        tokenizer = train_tokenizer(splits=splits).outputs["tokenizer"]
+        with dsl.ParallelFor(items=list(range(TOKENIZE_PARTS)), parallelism=TOKENIZE_PARTS) as part:
+            encoded = encode_part(part=part, splits=splits, tokenizer=tokenizer)
+        tokens = merge_tokens(parts=dsl.Collected(encoded.outputs["tokens"])).outputs["tokens"]
         trained = train(
             mlflow_tracking_uri=mlflow_tracking_uri,
             raw=raw,
             report=split_task.outputs["report"],
-            tokens=tok.outputs["tokens"],
-            tokenizer=tok.outputs["tokenizer"],
+            tokens=tokens,
+            tokenizer=tokenizer,
         )
         trained.set_cpu_request("2").set_memory_request("8G").set_memory_limit("8G")
         scored = evaluate(
             mlflow_tracking_uri=mlflow_tracking_uri,
             model=trained.outputs["model"],
-            tokens=tok.outputs["tokens"],
+            splits=splits,
         )
         promoted = promote(
             mlflow_tracking_uri=mlflow_tracking_uri,
             model=trained.outputs["model"],
             metrics=scored.outputs["metrics"],
-            tokens=tok.outputs["tokens"],
+            splits=splits,
         )
         # The decision depends on the registry's current champion, not only on the inputs.
         promoted.set_caching_options(False)

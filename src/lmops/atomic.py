@@ -10,13 +10,18 @@ another host user must be able to read an exported model.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+from lmops.errors import LmopsError
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _sibling(path: Path) -> Path:
@@ -24,21 +29,62 @@ def _sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
-def write_bytes(path: str | Path, data: bytes) -> None:
+@contextlib.contextmanager
+def disk_full_names(path: str | Path) -> Iterator[None]:
+    """A full disk (or quota, or file size limit) while writing `path` becomes one line naming it."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in _FULL:
+            raise LmopsError(f"{path}: {os.strerror(exc.errno).lower()} while writing it") from None
+        raise
+
+
+def remove_stale(path: str | Path) -> None:
+    """Remove what writers of `path` killed midway left beside it (their hidden temporaries)."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
+class Output:
+    """A file being written whose `write` names its target when the disk fills."""
+
+    def __init__(self, fh: BinaryIO, path: Path):
+        self._fh, self.path = fh, path
+
+    def write(self, data: bytes) -> None:
+        with disk_full_names(self.path):
+            self._fh.write(data)
+
+
+@contextlib.contextmanager
+def writer(path: str | Path) -> Iterator[Output]:
+    """A binary file to write in pieces (a stream too large to hold): it replaces `path` when
+    the block ends without error, and is removed otherwise."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+            yield Output(fh, path)
+            with disk_full_names(path):
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    with writer(path) as fh:
+        fh.write(data)
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -65,7 +111,8 @@ def directory(path: str | Path) -> Iterator[Path]:
     tmp = _sibling(path)
     tmp.mkdir()  # mode 0o777 minus the umask, as for any mkdir
     try:
-        yield tmp
+        with disk_full_names(path):
+            yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -5,6 +5,7 @@ runs moves artifacts in and out around `lmops <stage>` as intended."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 from types import SimpleNamespace
@@ -41,14 +42,14 @@ def test_image_option_sets_every_step_image(tmp_path):
 
 
 def steps() -> dict[str, dict[str, list[str]]]:
-    """stage -> {"in": [paths], "out": [paths]} from the compiled executors."""
+    """stage -> {"in": [paths], "out": [paths]} from the compiled executors (the steps of one stage together)."""
     spec = yaml.safe_load(PIPELINE.read_text())
-    found = {}
+    found: dict[str, dict[str, list[str]]] = {}
     for executor in spec["deploymentSpec"]["executors"].values():
         args = executor["container"]["args"]
-        found[args[0]] = {
-            flag: [args[i + 1] for i, a in enumerate(args) if a == f"--{flag}"] for flag in ("in", "out")
-        }
+        step = found.setdefault(args[0], {"in": [], "out": []})
+        for flag in ("in", "out"):
+            step[flag] += [args[i + 1] for i, a in enumerate(args) if a == f"--{flag}"]
     return found
 
 
@@ -75,9 +76,24 @@ def test_steps_are_the_dvc_stages_with_their_inputs_and_outputs():
 def test_dag_runs_in_stage_order_and_shares_one_mlflow_server():
     spec = yaml.safe_load(PIPELINE.read_text())
     tasks = spec["root"]["dag"]["tasks"]
-    assert set(tasks) == {"get-data", "split", "tokenize", "train", "evaluate", "promote"}
+    loop = next(t for t in tasks if t.startswith("for-loop"))
+    assert set(tasks) == {
+        "get-data",
+        "split",
+        "train-tokenizer",
+        loop,
+        "merge-tokens",
+        "train",
+        "evaluate",
+        "promote",
+    }
     assert tasks["split"]["dependentTasks"] == ["get-data"]
-    assert set(tasks["promote"]["dependentTasks"]) == {"evaluate", "tokenize", "train"}
+    # tokenize: the tokenizer, then the parts in parallel, then their merge, before training
+    assert set(tasks[loop]["dependentTasks"]) == {"split", "train-tokenizer"}
+    assert tasks[loop]["parameterIterator"]["items"]["raw"] == "[0, 1, 2, 3]"
+    assert tasks["merge-tokens"]["dependentTasks"] == [loop]
+    assert {"merge-tokens", "train-tokenizer"} <= set(tasks["train"]["dependentTasks"])
+    assert set(tasks["promote"]["dependentTasks"]) == {"evaluate", "split", "train"}
     assert tasks["promote"]["cachingOptions"] == {}  # caching off: the registry changes
     assert spec["root"]["inputDefinitions"]["parameters"]["mlflow_tracking_uri"]["parameterType"] == "STRING"
 
@@ -93,7 +109,7 @@ set -eu
 test "$1" = train
 test -f params.yaml
 test -f data/raw/manifest.json
-test -f data/processed/train.bin
+test -f data/processed/tokens/index.json
 test -f artifacts/tokenizer/tokenizer.json
 mkdir -p artifacts/model
 echo "$MLFLOW_TRACKING_URI" > artifacts/model/tracking_uri
@@ -110,7 +126,7 @@ def test_step_shell_copies_inputs_runs_the_stage_and_exports_outputs(tmp_path, f
     app = tmp_path / "app"
     (app).mkdir()
     (app / "params.yaml").write_text("train: {}\n")
-    for rel, name in (("raw", "manifest.json"), ("tokens", "train.bin"), ("tokenizer", "tokenizer.json")):
+    for rel, name in (("raw", "manifest.json"), ("tokens", "index.json"), ("tokenizer", "tokenizer.json")):
         (tmp_path / "in" / rel).mkdir(parents=True)
         (tmp_path / "in" / rel / name).write_text("x")
     model = tmp_path / "out" / "model"
@@ -122,7 +138,7 @@ def test_step_shell_copies_inputs_runs_the_stage_and_exports_outputs(tmp_path, f
         "data/raw",
         str(tmp_path / "in/raw"),
         "--in",
-        "data/processed",
+        "data/processed/tokens",
         str(tmp_path / "in/tokens"),
         "--in",
         "artifacts/tokenizer",
@@ -208,3 +224,40 @@ def test_schedule_replaces_the_recurring_run_of_the_same_name(tmp_path, monkeypa
     with pytest.raises(SystemExit):
         pipeline.main(argv)  # no MLflow server: a usage error, nothing scheduled
     assert len(FakeKfp.calls) == 4
+
+
+def test_merge_step_collects_the_parts_and_passes_its_options(tmp_path):
+    """The merge step gets the parts as KFP's JSON list of artifacts: each lands in its own
+    directory, and `--arg` reaches the stage's command line."""
+    spec = importlib.util.spec_from_file_location("pipeline", REPO / "kubeflow" / "pipeline.py")
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+    bin_dir, app = tmp_path / "bin", tmp_path / "app"
+    bin_dir.mkdir()
+    app.mkdir()
+    (app / "params.yaml").write_text("tokenizer: {}\n")
+    (bin_dir / "lmops").write_text("""#!/bin/sh
+set -eu
+test "$*" = "tokenize --merge data/processed/token-parts"
+test -f data/processed/token-parts/0/index.json && test -f data/processed/token-parts/1/index.json
+mkdir -p data/processed/tokens && echo merged > data/processed/tokens/index.json
+""")
+    (bin_dir / "lmops").chmod(0o755)
+    parts = []
+    for k in range(2):
+        (tmp_path / f"part{k}").mkdir()
+        (tmp_path / f"part{k}" / "index.json").write_text(str(k))
+        parts.append({"name": f"tokens-{k}", "uri": str(tmp_path / f"part{k}"), "metadata": {}})
+    args = ["tokenize", "--arg", "--merge", "--arg", "data/processed/token-parts"]
+    args += ["--in-list", "data/processed/token-parts", json.dumps(parts)]
+    args += ["--out", "data/processed/tokens", str(tmp_path / "out")]
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "LMOPS_APP": str(app)}
+    proc = subprocess.run(
+        ["sh", "-c", pipeline.RUN_STAGE, "run_stage", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "index.json").read_text() == "merged\n"

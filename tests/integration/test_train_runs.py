@@ -3,6 +3,7 @@ and under torchrun with 2 processes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import signal
@@ -133,6 +134,20 @@ def test_ddp_with_two_processes_on_cpu(tokenized_project, tmp_path):
     Llama.from_pretrained(project / "artifacts/model")  # a complete, loadable model
 
 
+def replace_tokens(tokens_dir, split, ids) -> None:
+    """Make `split`'s token files one shard holding `ids` (its index entry too)."""
+    index = json.loads((tokens_dir / "index.json").read_text())
+    for shard in index["splits"][split]["shards"]:
+        (tokens_dir / shard["file"]).unlink()
+    ids.tofile(tokens_dir / f"{split}-000-00000.bin")
+    digest = hashlib.sha256(ids.tobytes()).hexdigest()
+    index["splits"][split] = {
+        "tokens": len(ids),
+        "shards": [{"file": f"{split}-000-00000.bin", "tokens": len(ids), "sha256": digest}],
+    }
+    (tokens_dir / "index.json").write_text(json.dumps(index))
+
+
 def _overfitting_project(tokenized_project, dst, train_overrides):
     """A project whose validation loss falls, then rises: train and val follow different rules.
 
@@ -147,7 +162,7 @@ def _overfitting_project(tokenized_project, dst, train_overrides):
         tokens = [int(rng.choice(symbols))]
         for _ in range(20_000):  # the rule, with 10% noise so the split is not one short cycle
             tokens.append(int(rng.choice(symbols)) if rng.random() < 0.1 else int(follow[tokens[-1]]))
-        np.asarray(tokens, dtype=np.uint16).tofile(project / f"data/processed/{split}.bin")
+        replace_tokens(project / "data/processed/tokens", split, np.asarray(tokens, dtype=np.uint16))
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["model"]["dropout"] = 0.1
     params["train"].update(
@@ -189,11 +204,12 @@ def test_keep_best_exports_the_lowest_validation_loss_and_survives_sigkill(token
     assert _mlflow_run(straight, meta["run_id"]).data.metrics["best_step"] == best_step
     # The exported weights are the best ones: they score the best validation loss again.
     from lmops.pipeline.params import load_params
+    from lmops.pipeline.tokenize_stage import read_tokens
     from lmops.pipeline.train import estimate_val_loss
     from lmops.runtime.model import Llama
 
     cfg = load_params(straight / "params.yaml").train
-    tokens = np.fromfile(straight / "data/processed/val.bin", dtype=np.uint16)
+    tokens = read_tokens(straight / "data/processed/tokens", "val")
     exported = Llama.from_pretrained(straight / "artifacts/model")
     assert estimate_val_loss(exported, tokens, cfg, 64, torch.device("cpu")) == pytest.approx(
         val[best_step], abs=1e-5

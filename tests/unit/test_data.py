@@ -3,23 +3,25 @@
 import functools
 import json
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 
 from lmops.errors import LmopsError
 from lmops.pipeline.data import (
+    Cap,
     _chunks,
     _lines,
     _paragraphs,
     assign_splits,
-    cap_documents,
     get_data,
     read_documents,
     split,
 )
 from lmops.pipeline.params import DataConfig, SplitConfig
 from lmops.pipeline.sources import FILE_HEADER, stdlib_files
+from tests.unit.data_reference import reference_split
 
 SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
 
@@ -49,7 +51,7 @@ def test_stdlib_source_is_sorted_offline_and_has_no_tests(tmp_path):
     manifest = get_data(DataConfig(max_bytes=200_000), tmp_path)
     assert manifest["document_unit"] == "file" and manifest["capped"] and manifest["bytes"] <= 200_000
     assert manifest["files"] == _stdlib_names()[: len(manifest["files"])]  # read in order, stopped at the cap
-    docs = read_documents(tmp_path)
+    docs = list(read_documents(tmp_path))
     assert len(docs) == manifest["documents"] and all(d.startswith(FILE_HEADER) for d in docs)
     assert all(d.endswith("\n\n") and not d.endswith("\n\n\n") for d in docs[:-1])  # the last may be cut
     assert get_data(DataConfig(max_bytes=200_000), tmp_path / "again")["sha256"] == manifest["sha256"]
@@ -58,8 +60,8 @@ def test_stdlib_source_is_sorted_offline_and_has_no_tests(tmp_path):
 def test_pieces_of_a_text():
     text = "a\nb\n\nc\n\n\nd\r\n\r\ne\x0cf\nlast"
     assert _lines(text) == ["a\n", "b\n", "\n", "c\n", "\n", "\n", "d\r\n", "\r\n", "e\x0cf\n", "last"]
-    assert list(_paragraphs(text)) == ["a\nb\n\n", "c\n\n\n", "d\r\n\r\n", "e\x0cf\nlast"]
-    assert list(_chunks("aaaa\nbb\ncc\n" + "x" * 20 + "\nd\n", 8)) == [
+    assert list(_paragraphs(_lines(text))) == ["a\nb\n\n", "c\n\n\n", "d\r\n\r\n", "e\x0cf\nlast"]
+    assert list(_chunks(_lines("aaaa\nbb\ncc\n" + "x" * 20 + "\nd\n"), 8)) == [
         "aaaa\nbb\n",
         "cc\n",
         "x" * 20 + "\n",
@@ -81,7 +83,7 @@ def test_units_of_a_text_file(tmp_path, unit, expected):
     manifest = get_data(
         DataConfig(source=str(tmp_path / "c.txt"), document_unit=unit, chunk_bytes=9), tmp_path / "raw"
     )
-    assert read_documents(tmp_path / "raw") == expected
+    assert list(read_documents(tmp_path / "raw")) == expected
     assert manifest["document_unit"] == unit and manifest["empty_documents_dropped"] == (unit == "line")
 
 
@@ -110,7 +112,12 @@ def test_rows_can_be_cut_into_paragraphs(tmp_path):
         json.dumps({"text": "a\n\nb"}) + "\n" + json.dumps({"text": "c"}) + "\n"
     )
     get_data(DataConfig(source=str(tmp_path / "books.jsonl"), document_unit="paragraph"), tmp_path / "raw")
-    assert read_documents(tmp_path / "raw") == ["a\n\n", "b\n", "c\n"]
+    assert list(read_documents(tmp_path / "raw")) == ["a\n\n", "b\n", "c\n"]
+
+
+def cap_documents(docs: list[str], max_bytes: int | None) -> tuple[list[str], bool]:
+    cap = Cap(max_bytes)
+    return [d.decode() for d in cap.apply(docs)], cap.cut
 
 
 def test_cap_ends_at_a_document_boundary():
@@ -200,7 +207,7 @@ def test_tail_split_gives_every_split_a_document():
 def test_tail_split_is_nanogpts_split_on_tiny_shakespeare():
     """train = the file's first 90% (nanoGPT: data[:int(n * 0.9)]) to within one paragraph."""
     text = SHAKESPEARE.read_text()
-    docs = list(_paragraphs(text))
+    docs = list(_paragraphs(_lines(text)))
     got = assign_splits(
         [len(d) for d in docs], SplitConfig(method="tail", val_fraction=0.05, test_fraction=0.05)
     )
@@ -302,3 +309,27 @@ def test_split_needs_get_data_first(tmp_path):
     (tmp_path / "raw/corpus.txt").write_text("a\nb\n")
     with pytest.raises(LmopsError, match="does not match .*run `lmops get_data` again"):
         split(SplitConfig(), 1, tmp_path / "raw", tmp_path / "out")
+
+
+@pytest.mark.parametrize("method", ["random", "tail"])
+def test_streaming_split_equals_the_in_memory_reference(tmp_path, method):
+    """Random documents with many whitespace-normalised copies, in blocks smaller than the
+    corpus: the same splits and the same dedup as the in-memory split."""
+    rng = np.random.default_rng(3)
+    words = ["alpha", "beta", "gamma", "delta", "é", "日本", "x" * 40]
+    docs = []
+    for _ in range(3000):
+        if docs and rng.random() < 0.2:  # a copy, respaced
+            docs.append(" " + docs[int(rng.integers(len(docs)))].replace(" ", "  "))
+        else:
+            docs.append(" ".join(rng.choice(words, int(rng.integers(1, 30)))) + "\n")
+    write_corpus(tmp_path / "raw", docs)
+    cfg = SplitConfig(method=method, val_fraction=0.1, test_fraction=0.1, seed=5)
+    expected, first = reference_split(tmp_path / "raw", cfg)
+    with (
+        mock.patch("lmops.pipeline.data.READ_BYTES", 4096),
+        mock.patch("lmops.pipeline.data.WRITE_BYTES", 1000),
+    ):
+        report = split(cfg, 8, tmp_path / "raw", tmp_path / "out", tmp_path / "r.json")
+    assert split_texts(tmp_path / "out") == expected
+    assert report["duplicates_merged"] == int((first != np.arange(len(first))).sum()) > 500

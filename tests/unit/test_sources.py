@@ -23,7 +23,7 @@ def get(tmp_path, source, **cfg):
 
 
 def docs(tmp_path):
-    return read_documents(tmp_path / "raw")
+    return list(read_documents(tmp_path / "raw"))
 
 
 def rows_as_docs(rows=ROWS):

@@ -20,15 +20,16 @@ from lmops.pipeline.params import Params
 from lmops.runtime.model import Llama
 
 
-def fingerprint(params: Params, world: int, train_bin: Path) -> str:
-    """What a checkpoint must match to be resumed: config, world size and the exact data."""
+def fingerprint(params: Params, world: int, train_digest: str) -> str:
+    """What a checkpoint must match to be resumed: config, world size and the exact data
+    (the train split's token digest, from its shards' sha256)."""
     h = hashlib.sha256(
         json.dumps(
             {"model": params.model.model_dump(), "train": params.train.model_dump(), "world": world},
             sort_keys=True,
         ).encode()
     )
-    h.update(hashlib.sha256(train_bin.read_bytes()).digest())
+    h.update(train_digest.encode())
     return h.hexdigest()
 
 

@@ -31,9 +31,7 @@ def _run_stage(name: str, args: argparse.Namespace) -> None:
 
         split(params.split, params.model.max_seq_len)
     elif name == "tokenize":
-        from lmops.pipeline.tokenize_stage import tokenize
-
-        tokenize(params.tokenizer, params.model.max_seq_len)
+        _tokenize(params, args)
     elif name == "train":
         from lmops.pipeline.train import train
 
@@ -46,6 +44,30 @@ def _run_stage(name: str, args: argparse.Namespace) -> None:
         from lmops.pipeline.promote import promote
 
         promote(params, force=args.force)
+
+
+def _tokenize(params, args: argparse.Namespace) -> None:
+    """The whole stage, or one of its steps for jobs that encode parts of it in parallel
+    (the Kubeflow pipeline): the tokenizer alone, part K of N, then the merge of the parts."""
+    from lmops.pipeline import tokenize_stage as ts
+    from lmops.pipeline.paths import PROCESSED_DIR, TOKENIZER_DIR, TOKENS_DIR
+    from lmops.runtime.tokenizer import load_tokenizer
+
+    cfg = params.tokenizer
+    if args.tokenizer_only:
+        ts.train_and_save(cfg, params.model.max_seq_len, PROCESSED_DIR, TOKENIZER_DIR)
+    elif args.part:
+        k, _, n = args.part.partition("/")
+        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+            raise LmopsError(f"tokenize --part {args.part}: expected K/N with 0 <= K < N")
+        ts.encode_splits(load_tokenizer(TOKENIZER_DIR), cfg, PROCESSED_DIR, TOKENS_DIR, int(k), int(n))
+    elif args.merge:
+        parts = sorted(p for p in args.merge.iterdir() if p.is_dir())
+        if not parts:
+            raise LmopsError(f"tokenize --merge {args.merge}: no part directories there")
+        ts.merge(parts, TOKENS_DIR)
+    else:
+        ts.tokenize(cfg, params.model.max_seq_len)
 
 
 def _sampling(args: argparse.Namespace):
@@ -128,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(stage, help=f"run the {stage} stage alone")
         if stage == "promote":
             p.add_argument("--force", action="store_true", help="promote even if the champion is better")
+        if stage == "tokenize":
+            step = p.add_mutually_exclusive_group()
+            step.add_argument(
+                "--tokenizer-only", action="store_true", help="train and save the tokenizer only"
+            )
+            step.add_argument("--part", metavar="K/N", help="encode part K of N of every split (0-based)")
+            step.add_argument("--merge", type=Path, metavar="DIR", help="join the part directories in DIR")
     gen = sub.add_parser("generate", help="stream a completion from a model directory (the engine)")
     gen.add_argument("--prompt", required=True)
     bench = sub.add_parser("bench", help="engine throughput on a model directory (full suite: benchmarks/)")

@@ -7,18 +7,26 @@ of each in data/raw/doc_offsets.bin (little-endian uint64). Splitting by
 document keeps every document whole inside one split, and exact duplicates
 (after whitespace normalisation) go where their first copy goes, so nothing
 of val or test leaks into training. split also writes artifacts/data_report.json.
+
+Both stages stream: memory holds a block of the input and, per document, its
+offset and a 16-byte digest, never the corpus or a list of its documents.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import re
+import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from lmops import atomic
 from lmops.errors import LmopsError
@@ -29,6 +37,8 @@ from lmops.pipeline.sources import STDLIB, SourceFile, list_files, read_file, st
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
+READ_BYTES = 4 << 20  # the corpus is read, and outputs written, in pieces of about this size
+WRITE_BYTES = 4 << 20
 _LINE_RE = re.compile(r"[^\n]*\n|[^\n]+$")
 
 
@@ -37,10 +47,10 @@ def _lines(text: str) -> list[str]:
     return _LINE_RE.findall(text)
 
 
-def _paragraphs(text: str) -> Iterator[str]:
+def _paragraphs(lines: Iterable[str]) -> Iterator[str]:
     """Runs of lines, each with the blank lines after it; a non-blank line after a blank one starts the next."""
     para, blank = [], False
-    for line in _lines(text):
+    for line in lines:
         is_blank = not line.strip()
         if para and blank and not is_blank:
             yield "".join(para)
@@ -51,10 +61,10 @@ def _paragraphs(text: str) -> Iterator[str]:
         yield "".join(para)
 
 
-def _chunks(text: str, chunk_bytes: int) -> Iterator[str]:
+def _chunks(lines: Iterable[str], chunk_bytes: int) -> Iterator[str]:
     """Consecutive whole lines of at most `chunk_bytes` (a longer line is a chunk alone)."""
     chunk, size = [], 0
-    for line in _lines(text):
+    for line in lines:
         n = len(line.encode("utf-8"))
         if chunk and size + n > chunk_bytes:
             yield "".join(chunk)
@@ -63,6 +73,17 @@ def _chunks(text: str, chunk_bytes: int) -> Iterator[str]:
         size += n
     if chunk:
         yield "".join(chunk)
+
+
+def _block_lines(blocks: Iterable[str]) -> Iterator[str]:
+    """The lines of a text read in blocks of whole lines."""
+    for block in blocks:
+        yield from _lines(block)
+
+
+def progress(desc: str, total: int | None = None) -> tqdm:
+    """A bar in bytes with MB/s for a long data stage (none when stderr is not a terminal)."""
+    return tqdm(desc=desc, total=total, unit="B", unit_scale=True, disable=None, leave=False)
 
 
 def resolve_unit(cfg: DataConfig, file: SourceFile, n_files: int) -> str:
@@ -76,132 +97,198 @@ def resolve_unit(cfg: DataConfig, file: SourceFile, n_files: int) -> str:
         return "row"
     if n_files > 1:
         return "file"
-    return "paragraph" if any(not line.strip() for line in _lines(file.texts[0])) else "chunk"
+    return "paragraph" if any(not line.strip() for line in _block_lines(next(file.texts()))) else "chunk"
 
 
 def file_documents(file: SourceFile, unit: str, chunk_bytes: int) -> Iterator[str]:
-    """The documents of one file. Whole files and rows end with a blank line, so
-    the model sees where one ends; pieces of a text keep its bytes, ending in '\\n'."""
+    """The documents of one file, as it is read. Whole files and rows end with a blank
+    line, so the model sees where one ends; pieces of a text keep its bytes, ending in '\n'."""
     if unit in ("file", "row"):
-        closed = [t.rstrip() + "\n\n" for t in file.texts]
+        closed = ("".join(blocks).rstrip() + "\n\n" for blocks in file.texts())
         yield from closed if unit == "row" else ["".join(closed)]
         return
-    for text in file.texts:
+    for blocks in file.texts():
+        lines = _block_lines(blocks)
         if unit == "paragraph":
-            pieces = _paragraphs(text)
+            pieces = _paragraphs(lines)
         elif unit == "line":
-            pieces = _lines(text)
+            pieces = lines
         else:
-            pieces = _chunks(text, chunk_bytes)
+            pieces = _chunks(lines, chunk_bytes)
         for piece in pieces:
             yield piece if piece.endswith("\n") else piece + "\n"
 
 
-def cap_documents(docs: Iterable[str], max_bytes: int | None) -> tuple[list[str], bool]:
-    """Documents in order up to `max_bytes`, and whether the cap cut anything.
+@dataclass
+class Cap:
+    """`data.max_bytes` over a stream of documents; `cut` says whether it cut anything.
 
     The corpus ends at a document boundary, except that a document larger than
     the cap itself is cut at its last line boundary within the budget (at a
     character boundary when one line is larger still), so the cap never fails
-    only because a document is large.
+    only because a document is large. Reading stops at the cap.
     """
-    kept, total = [], 0
-    for doc in docs:
-        size = len(doc.encode("utf-8"))
-        if max_bytes is None or total + size <= max_bytes:
-            kept.append(doc)
-            total += size
-            continue
-        if size > max_bytes:
-            head = doc.encode("utf-8")[: max_bytes - total]
-            piece = head[: head.rfind(b"\n") + 1 or len(head)].decode("utf-8", errors="ignore")
-            if piece.strip():
-                kept.append(piece)
-        return kept, True
-    return kept, False
+
+    max_bytes: int | None
+    cut: bool = False
+
+    def apply(self, docs: Iterable[str]) -> Iterator[bytes]:
+        """The documents kept, UTF-8 encoded."""
+        total = 0
+        for doc in docs:
+            data = doc.encode("utf-8")
+            if self.max_bytes is None or total + len(data) <= self.max_bytes:
+                total += len(data)
+                yield data
+                continue
+            if len(data) > self.max_bytes:
+                head = data[: self.max_bytes - total]
+                piece = head[: head.rfind(b"\n") + 1 or len(head)].decode("utf-8", errors="ignore")
+                if piece.strip():
+                    yield piece.encode("utf-8")
+            self.cut = True
+            return
 
 
 def get_data(cfg: DataConfig, out_dir: Path = RAW_DIR) -> dict:
-    """Read the source, cut it into documents, write corpus.txt, doc_offsets.bin, manifest.json."""
+    """Read the source, cut it into documents and write them as they come: corpus.txt,
+    doc_offsets.bin, manifest.json. Nothing is held but one file's current block (or one
+    document, or one CSV/Parquet file); a failure leaves no output, not even `out_dir`."""
     files = list_files(cfg.source)
     origin = stdlib_origin() if cfg.source == STDLIB else cfg.source
     read, formats, units, counts = [], set(), set(), {"empty": 0, "replaced": 0}
 
     def documents() -> Iterator[str]:
         for name, load in files:
-            file = read_file(name, load(), cfg)
+            file = read_file(name, load, cfg)
             unit = resolve_unit(cfg, file, len(files))
             read.append(name)
             formats.add(file.format)
             units.add(unit)
-            counts["replaced"] += file.replaced
             for doc in file_documents(file, unit, cfg.chunk_bytes):
                 if doc.strip():
                     yield doc
                 else:
                     counts["empty"] += 1
+            counts["replaced"] += file.replaced
 
-    docs, capped = cap_documents(documents(), cfg.max_bytes)
-    if not docs:
+    started = time.perf_counter()
+    cap = Cap(cfg.max_bytes)
+    docs = cap.apply(documents())
+    first = next(docs, None)  # the source opens (or fails) before anything is written
+    if first is None:
         raise LmopsError(f"{origin}: corpus is empty (no document has any text)")
-    encoded = [d.encode("utf-8") for d in docs]
-    corpus = b"".join(encoded)
-    digest = hashlib.sha256(corpus).hexdigest()
-    if cfg.sha256 and digest != cfg.sha256:
-        raise LmopsError(f"data.sha256 mismatch for {origin}: expected {cfg.sha256}, got {digest}")
+    for name in ("corpus.txt", "doc_offsets.bin", "manifest.json"):
+        atomic.remove_stale(out_dir / name)
+    created = not out_dir.exists()
+    digest, n_docs, n_bytes = hashlib.sha256(), 0, 0
+    try:
+        with (
+            atomic.writer(out_dir / "corpus.txt") as corpus,
+            atomic.writer(out_dir / "doc_offsets.bin") as offsets,
+            progress("get_data") as bar,
+        ):
+            pending, ends, written = [], [], 0
+
+            def flush() -> None:
+                data = b"".join(pending)
+                digest.update(data)
+                corpus.write(data)
+                offsets.write(np.array(ends, dtype="<u8").tobytes())
+                bar.update(len(data))
+                pending.clear()
+                ends.clear()
+
+            for doc in itertools.chain([first], docs):
+                n_docs, n_bytes = n_docs + 1, n_bytes + len(doc)
+                pending.append(doc)
+                ends.append(n_bytes)
+                if n_bytes - written >= WRITE_BYTES:
+                    flush()
+                    written = n_bytes
+            flush()
+            if cfg.sha256 and digest.hexdigest() != cfg.sha256:
+                raise LmopsError(
+                    f"data.sha256 mismatch for {origin}: expected {cfg.sha256}, got {digest.hexdigest()}"
+                )
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()  # only if empty: what the failed run created
+        raise
+    seconds = time.perf_counter() - started
     manifest = {
         "source": origin,
         "files": read,
         "files_matched": len(files),
         "format": "+".join(sorted(formats)),
         "document_unit": "+".join(sorted(units)),
-        "documents": len(docs),
-        "bytes": len(corpus),
-        "sha256": digest,
+        "documents": n_docs,
+        "bytes": n_bytes,
+        "sha256": digest.hexdigest(),
         "empty_documents_dropped": counts["empty"],
         "undecodable_sequences_replaced": counts["replaced"],
         "max_bytes": cfg.max_bytes,
-        "capped": capped,
+        "capped": cap.cut,
+        "seconds": round(seconds, 2),
+        "mb_per_s": round(n_bytes / 1e6 / max(seconds, 1e-9), 2),
     }
-    ends = np.cumsum([len(e) for e in encoded], dtype=np.uint64)
-    atomic.write_bytes(out_dir / "corpus.txt", corpus)
-    atomic.write_bytes(out_dir / "doc_offsets.bin", ends.astype("<u8").tobytes())
     atomic.write_json(out_dir / "manifest.json", manifest)
     log.info(
-        "corpus: %d %s documents from %d file(s), %d bytes, sha256 %s",
-        len(docs),
+        "corpus: %d %s documents from %d file(s), %d bytes, sha256 %s, %.1f MB/s",
+        n_docs,
         manifest["document_unit"],
         len(read),
-        len(corpus),
-        digest[:12],
+        n_bytes,
+        manifest["sha256"][:12],
+        manifest["mb_per_s"],
     )
     return manifest
 
 
-def read_documents(raw_dir: Path = RAW_DIR) -> list[str]:
-    """The documents get_data wrote."""
+def doc_offsets(raw_dir: Path = RAW_DIR) -> np.ndarray:
+    """The end offset of every document get_data wrote (8 bytes a document), checked against the corpus."""
     corpus_path, offsets_path = raw_dir / "corpus.txt", raw_dir / "doc_offsets.bin"
     if not (corpus_path.is_file() and offsets_path.is_file()):
         raise LmopsError(f"{corpus_path} or {offsets_path.name} not found: run `lmops get_data` first")
-    raw = corpus_path.read_bytes()
-    ends = np.frombuffer(offsets_path.read_bytes(), dtype="<u8").astype(np.int64)
-    starts = np.concatenate([[0], ends[:-1]])
-    if not len(ends) or ends[-1] != len(raw) or np.any(ends <= starts):
+    ends = np.fromfile(offsets_path, dtype="<u8").astype(np.int64)
+    if not len(ends) or ends[-1] != corpus_path.stat().st_size or np.any(np.diff(ends, prepend=0) <= 0):
         raise LmopsError(f"{offsets_path} does not match {corpus_path}: run `lmops get_data` again")
-    try:
-        return [raw[s:e].decode("utf-8") for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
-    except UnicodeDecodeError:
-        raise LmopsError(f"{corpus_path} is damaged (not UTF-8): run `lmops get_data` again") from None
+    return ends
 
 
-def first_copies(docs: list[str]) -> np.ndarray:
-    """For each document, the index of its first exact copy (whitespace normalised): itself if none."""
-    seen: dict[bytes, int] = {}
-    first = np.empty(len(docs), dtype=np.int64)
-    for i, doc in enumerate(docs):
-        key = hashlib.blake2b(" ".join(doc.split()).encode("utf-8"), digest_size=16).digest()
-        first[i] = seen.setdefault(key, i)
-    return first
+def raw_documents(raw_dir: Path, ends: np.ndarray) -> Iterator[bytes]:
+    """The documents' bytes in order, the corpus read in blocks."""
+    with open(raw_dir / "corpus.txt", "rb") as fh:
+        buf, base, start = b"", 0, 0  # buf holds the corpus from byte `base` on
+        for first in range(0, len(ends), 1 << 16):
+            for end in ends[first : first + (1 << 16)].tolist():
+                if end > base + len(buf):
+                    buf = buf[start - base :] + fh.read(max(READ_BYTES, end - start))
+                    base = start
+                yield buf[start - base : end - base]
+                start = end
+
+
+def read_documents(raw_dir: Path = RAW_DIR) -> Iterator[str]:
+    """The documents get_data wrote, one at a time."""
+    corpus_path = raw_dir / "corpus.txt"
+    for doc in raw_documents(raw_dir, doc_offsets(raw_dir)):
+        try:
+            yield doc.decode("utf-8")
+        except UnicodeDecodeError:
+            raise LmopsError(f"{corpus_path} is damaged (not UTF-8): run `lmops get_data` again") from None
+
+
+def doc_key(doc: str) -> bytes:
+    """A document's fixed-size digest after whitespace normalisation: equal for exact copies."""
+    return hashlib.blake2b(" ".join(doc.split()).encode("utf-8"), digest_size=16).digest()
+
+
+def first_copies(keys: np.ndarray) -> np.ndarray:
+    """For each document (a row of 16-byte `keys`), the index of its first exact copy: itself if none."""
+    _, index, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    return index[inverse.reshape(-1)]
 
 
 def assign_splits(sizes: list[int] | np.ndarray, cfg: SplitConfig, first: np.ndarray | None = None) -> dict:
@@ -263,9 +350,15 @@ def split(
     report_path: Path = DATA_REPORT_FILE,
 ) -> dict:
     """Write the three splits and the data report; stop before writing anything
-    when a split would be empty or too small to train on."""
-    docs = read_documents(raw_dir)
-    sizes = np.array([len(d.encode("utf-8")) for d in docs], dtype=np.int64)
+    when a split would be empty or too small to train on.
+
+    Two reads of the corpus, one document at a time: the first takes each document's
+    16-byte digest (dedup), the sizes come from the offsets; the split of every
+    document follows from those alone; the second read writes each to its split.
+    """
+    started = time.perf_counter()
+    ends = doc_offsets(raw_dir)
+    sizes = np.diff(ends, prepend=0)
     # Byte-level BPE tokens cover at least one byte each, and training (and
     # evaluating) reads windows of max_seq_len + 1 tokens plus one more.
     min_bytes = max_seq_len + 2
@@ -274,26 +367,56 @@ def split(
             f"corpus is too small to train on: {int(sizes.sum())} bytes; the minimum is 3 splits x "
             f"(model.max_seq_len + 2) = {3 * min_bytes} bytes"
         )
-    first = first_copies(docs)
-    stats = {}
-    parts = assign_splits(sizes, cfg, first)
-    for name, idx in parts.items():
-        stats[name] = {"documents": len(idx), "bytes": int(sizes[idx].sum())}
-        if stats[name]["bytes"] < min_bytes:
-            raise LmopsError(
-                f"split {name!r} has {stats[name]['bytes']} bytes, too small to train on: each split needs "
-                f"at least model.max_seq_len + 2 = {min_bytes}; raise its fraction or add data"
-            )
-    for name, idx in parts.items():
-        atomic.write_text(out_dir / f"{name}.txt", "".join(docs[i] for i in idx))
+    keys = bytearray()
+    with progress("split", total=2 * int(sizes.sum())) as bar:
+        for doc in read_documents(raw_dir):
+            keys += doc_key(doc)
+            bar.update(len(doc))  # characters: close enough for a rate
+        first = first_copies(np.frombuffer(bytes(keys), dtype=np.uint8).reshape(-1, 16))
+        del keys
+        stats = {}
+        parts = assign_splits(sizes, cfg, first)
+        for name, idx in parts.items():
+            stats[name] = {"documents": len(idx), "bytes": int(sizes[idx].sum())}
+            if stats[name]["bytes"] < min_bytes:
+                raise LmopsError(
+                    f"split {name!r} has {stats[name]['bytes']} bytes, too small to train on: each split "
+                    f"needs at least model.max_seq_len + 2 = {min_bytes}; raise its fraction or add data"
+                )
+        where = np.full(len(sizes), -1, dtype=np.int8)  # -1: a copy dropped from a later split
+        for code, idx in enumerate(parts.values()):
+            where[idx] = code
+        del parts
+        for name in SPLITS:
+            atomic.remove_stale(out_dir / f"{name}.txt")
+        with contextlib.ExitStack() as stack:
+            outs = [stack.enter_context(atomic.writer(out_dir / f"{name}.txt")) for name in SPLITS]
+            pending: list[list[bytes]] = [[], [], []]
+            size = 0
+            for code, doc in zip(where.tolist(), raw_documents(raw_dir, ends), strict=True):
+                if code >= 0:
+                    pending[code].append(doc)
+                size += len(doc)
+                if size >= WRITE_BYTES:
+                    for out, docs in zip(outs, pending, strict=True):
+                        out.write(b"".join(docs))
+                        docs.clear()
+                    bar.update(size)
+                    size = 0
+            for out, docs in zip(outs, pending, strict=True):
+                out.write(b"".join(docs))
+    seconds = time.perf_counter() - started
     report = data_report(raw_dir, sizes, first, cfg, stats)
+    report["throughput"] = {"split_seconds": round(seconds, 2)}
+    report["throughput"]["split_mb_per_s"] = round(report["bytes"] / 1e6 / max(seconds, 1e-9), 2)
     atomic.write_json(report_path, report)
     log.info(
-        "split (%s): %s; %d duplicate(s) merged, %d of them dropped from a later split",
+        "split (%s): %s; %d duplicate(s) merged, %d of them dropped from a later split; %.1f MB/s",
         cfg.method,
         stats,
         report["duplicates_merged"],
         report["duplicates_dropped"],
+        report["throughput"]["split_mb_per_s"],
     )
     return report
 

@@ -63,6 +63,12 @@ class TokenizerConfig(_Section):
     # 256 byte symbols + special tokens is the floor of a byte-level BPE.
     vocab_size: Annotated[int, Field(ge=260, le=65535)] = 4096
     min_frequency: PositiveInt = 2
+    # The BPE learns from at most this many bytes of the train split (all of it when smaller),
+    # pieces of whole lines at places drawn with `seed`: time and memory stay bounded.
+    train_bytes: Annotated[int, Field(ge=1 << 16)] = 64_000_000
+    seed: int = 1337
+    # Token files are shards of at most this many bytes (read through memmap across shards).
+    shard_bytes: Annotated[int, Field(ge=4)] = 1_000_000_000
 
 
 class ModelConfig(LlamaShape, _Section):

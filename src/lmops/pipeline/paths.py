@@ -12,6 +12,7 @@ RAW_DIR = Path("data/raw")
 MANIFEST_FILE = RAW_DIR / "manifest.json"
 DATA_REPORT_FILE = Path("artifacts/data_report.json")
 PROCESSED_DIR = Path("data/processed")
+TOKENS_DIR = PROCESSED_DIR / "tokens"
 TOKENIZER_DIR = Path("artifacts/tokenizer")
 MODEL_DIR = Path("artifacts/model")
 CHECKPOINT_DIR = Path("artifacts/checkpoints")

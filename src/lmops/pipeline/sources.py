@@ -2,10 +2,10 @@
 
 A source is the python standard library, or a file, a directory or a glob, as a
 local path or an fsspec URL (file://, s3://, az://, gs://; https:// is one file).
-Files are taken in sorted order; each reads as a `SourceFile`: one text, or one
-text per row of a table (JSONL, CSV/TSV, Parquet: the `data.text_field`).
-`.gz` and `.zst` files are decompressed first; the format comes from the
-extension under the compression one, unless `data.format` names it.
+Files are taken in sorted order and read as a stream; each reads as a `SourceFile`:
+one text, or one text per row of a table (JSONL, CSV/TSV, Parquet: the
+`data.text_field`). `.gz` and `.zst` files are decompressed as they are read; the
+format comes from the extension under the compression one, unless `data.format` names it.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import sys
 import sysconfig
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import urlparse
 
 from lmops.errors import LmopsError
@@ -38,20 +39,64 @@ _EXTRAS = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "csv", ".tab": "csv"}
 _FORMATS |= {".parquet": "parquet", ".pq": "parquet"}
 
+Loader = Callable[[], BinaryIO]  # opens one file of the source for reading
 
-@dataclass(frozen=True)
+
+BLOCK_BYTES = 1 << 20  # files are read in blocks of about this size, cut at a line end
+
+
+@dataclass
 class SourceFile:
+    """One file of the source, read only as it is consumed, so no file is held whole
+    (a CSV or Parquet file is: pandas and Arrow read it at once). `texts()` yields each
+    text (the file's, or one per row of a table) as an iterator of blocks of whole
+    lines; every call reads the file again (`auto` looks at a text once before cutting it)."""
+
     name: str
     format: str  # text | jsonl | csv | parquet
-    texts: list[str]  # the whole text, or one per row of a table
+    load: Loader
+    cfg: DataConfig
     replaced: int = 0  # undecodable byte sequences replaced by U+FFFD (encoding_errors: replace)
 
     @property
     def is_table(self) -> bool:
         return self.format != "text"
 
+    def texts(self) -> Iterator[Iterator[str]]:
+        self.replaced = 0
+        raw = _raw_blocks(self.name, self.load())
+        field = self.cfg.text_field
+        if self.format == "parquet":
+            rows = _parquet_rows(self.name, b"".join(raw), field)
+        elif self.format == "jsonl":
+            rows = _jsonl_rows(self.name, self._text_blocks(raw), field)
+        elif self.format == "csv":
+            sep = "\t" if _plain_name(self.name).endswith((".tsv", ".tab")) else ","
+            rows = _csv_rows(self.name, "".join(self._text_blocks(raw)), field, sep)
+        else:
+            yield self._text_blocks(raw)
+            return
+        for row in rows:
+            yield iter([row])
 
-Loader = Callable[[], bytes]
+    def _text_blocks(self, raw: Iterator[bytes]) -> Iterator[str]:
+        """Decoded blocks of whole lines ('\n' never sits inside a UTF-8 sequence, so a cut
+        there is a character boundary); an undecodable byte names its place in the file."""
+        offset, line, carry = 0, 1, b""
+        for data in raw:
+            data = carry + data
+            cut = data.rfind(b"\n") + 1
+            block, carry = data[:cut], data[cut:]
+            if block:
+                yield self._decode(block, offset, line)
+                offset, line = offset + len(block), line + block.count(b"\n")
+        if carry:
+            yield self._decode(carry, offset, line)
+
+    def _decode(self, block: bytes, offset: int, line: int) -> str:
+        text, replaced = decode_utf8(block, self.name, self.cfg.encoding_errors, offset, line)
+        self.replaced += replaced
+        return text
 
 
 def stdlib_files() -> list[tuple[str, Loader]]:
@@ -67,7 +112,7 @@ def stdlib_files() -> list[tuple[str, Loader]]:
         if _SKIP_DIRS.intersection(rel.parts[:-1]) or rel.name.startswith("test_"):
             continue
         header = f"{FILE_HEADER}{rel.as_posix()}\n".encode()
-        files.append((f"{STDLIB}/{rel.as_posix()}", lambda p=path, h=header: h + p.read_bytes()))
+        files.append((f"{STDLIB}/{rel.as_posix()}", lambda p=path, h=header: io.BytesIO(h + p.read_bytes())))
     return files
 
 
@@ -118,9 +163,9 @@ def list_files(source: str) -> list[tuple[str, Loader]]:
             return fs.unstrip_protocol(p)
         return p if os.path.isabs(source) else os.path.relpath(p)
 
-    def load(p: str) -> bytes:
+    def load(p: str) -> BinaryIO:
         try:
-            return fs.cat_file(p)
+            return fs.open(p, "rb")
         except (OSError, ValueError) as exc:
             raise LmopsError(f"data.source: could not read {name(p)}: {exc}") from None
 
@@ -132,64 +177,72 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith(".") and part not in (".", "..") for part in rel.split("/"))
 
 
-def _http_get(url: str) -> bytes:
+def _http_get(url: str) -> BinaryIO:
     import requests
 
     try:
-        resp = requests.get(url, timeout=60)
+        resp = requests.get(url, timeout=60, stream=True)
         resp.raise_for_status()
     except requests.RequestException as exc:
         raise LmopsError(f"data.source: could not fetch {url}: {exc}") from None
-    return resp.content
+    resp.raw.decode_content = True  # a Content-Encoding is undone, as `resp.content` did
+    return resp.raw
 
 
-def decode_utf8(raw: bytes, origin: str, errors: str = "strict") -> tuple[str, int]:
-    """The text and how many undecodable sequences became U+FFFD (only with errors='replace')."""
+def decode_utf8(
+    raw: bytes, origin: str, errors: str = "strict", offset: int = 0, line: int = 1
+) -> tuple[str, int]:
+    """The text and how many undecodable sequences became U+FFFD (only with errors='replace');
+    `raw` starts at byte `offset` of the file, at the start of line `line`."""
     try:
         return raw.decode("utf-8"), 0
     except UnicodeDecodeError as exc:
         if errors == "replace":
             text = raw.decode("utf-8", errors="replace")
             return text, text.count("\ufffd") - raw.count("\ufffd".encode())
-        line = raw.count(b"\n", 0, exc.start) + 1
+        line += raw.count(b"\n", 0, exc.start)
         col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
         raise LmopsError(
-            f"{origin}: not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+            f"{origin}: not UTF-8: byte 0x{raw[exc.start]:02x} at offset {offset + exc.start} "
             f"(line {line}, column {col}) {exc.reason}; data.encoding_errors: replace reads it anyway"
         ) from None
 
 
-def _decompress(name: str, data: bytes) -> tuple[str, bytes]:
-    """The file's name without its compression extension, and its plain bytes."""
+def _plain_name(name: str) -> str:
+    """The file's name, lower case, without its compression extension."""
     path = urlparse(name).path.lower() if "://" in name else name.lower()
+    return path.removesuffix(".gz").removesuffix(".zst")
+
+
+def _raw_blocks(name: str, stream: BinaryIO) -> Iterator[bytes]:
+    """The file's plain bytes in blocks, decompressed as they are read."""
+    path = urlparse(name).path.lower() if "://" in name else name.lower()
+    reader, kind, errors = stream, "", ()
     if path.endswith(".gz"):
-        try:
-            return path[:-3], gzip.decompress(data)
-        except (OSError, EOFError, zlib.error) as exc:
-            raise LmopsError(f"{name}: not valid gzip: {exc}") from None
-    if path.endswith(".zst"):
+        reader, kind, errors = gzip.GzipFile(fileobj=stream), "gzip", (OSError, EOFError, zlib.error)
+    elif path.endswith(".zst"):
         import zstandard
 
-        try:
-            return path[:-4], zstandard.ZstdDecompressor().decompressobj().decompress(data)
-        except zstandard.ZstdError as exc:
-            raise LmopsError(f"{name}: not valid zstandard: {exc}") from None
-    return path, data
+        reader, kind, errors = (
+            zstandard.ZstdDecompressor().stream_reader(stream),
+            "zstandard",
+            zstandard.ZstdError,
+        )
+    with stream:
+        while True:
+            try:
+                data = reader.read(BLOCK_BYTES)
+            except errors as exc:
+                raise LmopsError(f"{name}: not valid {kind}: {exc}") from None
+            if not data:
+                return
+            yield data
 
 
-def read_file(name: str, data: bytes, cfg: DataConfig) -> SourceFile:
-    plain, data = _decompress(name, data)
+def read_file(name: str, load: Loader, cfg: DataConfig) -> SourceFile:
+    plain = _plain_name(name)
     fmt = cfg.format if cfg.format != "auto" else _FORMATS.get(posixpath.splitext(plain)[1], "text")
-    if fmt == "parquet":
-        return SourceFile(name, fmt, _parquet_rows(name, data, cfg.text_field))
-    text, replaced = decode_utf8(data, name, cfg.encoding_errors)
-    if fmt == "jsonl":
-        rows = _jsonl_rows(name, text, cfg.text_field)
-    elif fmt == "csv":
-        rows = _csv_rows(name, text, cfg.text_field, "\t" if plain.endswith((".tsv", ".tab")) else ",")
-    else:
-        rows = [text]
-    return SourceFile(name, fmt, rows, replaced)
+    return SourceFile(name, fmt, load, cfg)
 
 
 def _missing_field(name: str, where: str, field: str, existing: list[str]) -> LmopsError:
@@ -199,10 +252,11 @@ def _missing_field(name: str, where: str, field: str, existing: list[str]) -> Lm
     )
 
 
-def _jsonl_rows(name: str, text: str, field: str) -> list[str]:
-    """One text per line. Parsed line by line (not pandas) to name the line that fails."""
-    rows = []
-    for number, line in enumerate(text.split("\n"), 1):
+def _jsonl_rows(name: str, blocks: Iterator[str], field: str) -> Iterator[str]:
+    """One text per line, as the lines are read. Parsed line by line (not pandas) to name
+    the line that fails."""
+    lines = (line for block in blocks for line in block.removesuffix("\n").split("\n"))
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -215,8 +269,7 @@ def _jsonl_rows(name: str, text: str, field: str) -> list[str]:
             raise LmopsError(f"{name}: line {number} is a JSON {type(obj).__name__}, not an object")
         if field not in obj:
             raise _missing_field(name, f"line {number}", field, list(obj))
-        rows.append(_text_value(obj[field], f"{name}: line {number}: {field!r}"))
-    return rows
+        yield _text_value(obj[field], f"{name}: line {number}: {field!r}")
 
 
 def _text_value(value: object, where: str) -> str:

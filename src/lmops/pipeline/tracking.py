@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lmops.errors import LmopsError
 from lmops.pipeline.params import MlflowConfig, Params
-from lmops.pipeline.paths import DATA_REPORT_FILE
+from lmops.pipeline.paths import DATA_REPORT_FILE, MANIFEST_FILE, TOKENIZER_DIR, TOKENS_DIR
 from lmops.runtime.model_dir import sampling_defaults
 
 log = logging.getLogger(__name__)
@@ -147,14 +147,31 @@ def log_params_once(params: Params, run_id: str, extra: dict) -> None:
         c.log_batch(run_id, params=batch[i : i + 100])
 
 
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def log_data_report(run_id: str, path: Path = DATA_REPORT_FILE) -> None:
-    """The data checks of the corpus this run trains on (written by `lmops split`), beside its numbers."""
+    """The data checks of the corpus this run trains on (written by `lmops split`), beside its
+    numbers, and what the data stages did: bytes, documents, tokens, shards, throughput."""
     if not path.is_file():
         return
     report = json.loads(path.read_text())
     client().log_dict(run_id, report, "data_report.json")
     counts = ("documents", "bytes", "empty_documents_dropped", "duplicates_merged")
-    log_metrics(run_id, {f"data_{k}": report.get(k) for k in counts})
+    metrics = {f"data_{k}": report.get(k) for k in counts}
+    index, stats = _json(TOKENS_DIR / "index.json"), _json(TOKENIZER_DIR / "stats.json")
+    splits = index.get("splits", {}).values()
+    metrics |= {
+        "data_tokens": sum(s["tokens"] for s in splits) if splits else None,
+        "data_shards": sum(len(s["shards"]) for s in splits) if splits else None,
+        "data_tokenizer_trained_on_bytes": stats.get("trained_on_bytes"),
+        "data_get_data_mb_per_s": _json(MANIFEST_FILE).get("mb_per_s"),
+        "data_split_mb_per_s": report.get("throughput", {}).get("split_mb_per_s"),
+        "data_tokenize_seconds": index.get("seconds"),
+        "data_tokenize_mb_per_s": report["bytes"] / 1e6 / index["seconds"] if index.get("seconds") else None,
+    }
+    log_metrics(run_id, metrics)
 
 
 def log_metrics(run_id: str, metrics: dict[str, float | None], step: int = 0) -> None:

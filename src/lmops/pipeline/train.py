@@ -46,11 +46,13 @@ from lmops.pipeline.paths import (
     MODEL_DIR,
     PROCESSED_DIR,
     TOKENIZER_DIR,
+    TOKENS_DIR,
     TRAIN_LOG_FILE,
 )
-from lmops.pipeline.tokenize_stage import read_tokens
+from lmops.pipeline.tokenize_stage import Tokens, check_tokenizer, read_tokens
 from lmops.runtime.model import Llama, LlamaConfig, bf16_native, resolve_device
 from lmops.runtime.model_dir import ModelMeta, write_model_dir
+from lmops.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,7 @@ def plateau_lr(cfg: TrainConfig, decays: int) -> float:
 
 
 def batch(
-    tokens: np.ndarray, window: int, size: int, seed: tuple[int, ...], device
+    tokens: Tokens | np.ndarray, window: int, size: int, seed: tuple[int, ...], device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`size` random windows of `window` tokens and their next-token targets."""
     if len(tokens) <= window + 1:
@@ -158,7 +160,7 @@ def make_optimizer(model: Llama, cfg: TrainConfig, device: torch.device) -> torc
 
 
 @torch.no_grad()
-def estimate_val_loss(model, tokens: np.ndarray, cfg: TrainConfig, window: int, device) -> float:
+def estimate_val_loss(model, tokens: Tokens | np.ndarray, cfg: TrainConfig, window: int, device) -> float:
     """Mean next-token loss over non-overlapping windows spread evenly across the validation
     split (all of it when eval_batches x batch_size windows cover it), the same windows every
     time, in float32: keep_best selects on the numbers the exported model is scored with."""
@@ -233,8 +235,8 @@ class Run:
     model: Llama  # the weights; `forward` is this model or its DDP wrapper
     forward: torch.nn.Module
     opt: torch.optim.Optimizer
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
+    train_tokens: Tokens  # memory-mapped shards: every rank reads the same files
+    val_tokens: Tokens
     autocast: contextlib.AbstractContextManager
     precision: torch.dtype
     fingerprint: str
@@ -279,6 +281,9 @@ def _setup(params: Params, device: torch.device, ddp: Dist, data_dir: Path, ckpt
     if not stats_path.is_file():
         raise LmopsError(f"{stats_path} not found: run `lmops tokenize` first")
     vocab_size = json.loads(stats_path.read_text())["vocab_size"]
+    tokens_dir = data_dir / TOKENS_DIR.name
+    check_tokenizer(tokens_dir, load_tokenizer(TOKENIZER_DIR))
+    train_tokens = read_tokens(tokens_dir, "train")
     torch.manual_seed(params.train.seed)  # identical initial weights on every rank
     model = Llama(LlamaConfig(vocab_size=vocab_size, **params.model.model_dump())).to(device)
     precision = resolve_precision(params.train.precision, device)
@@ -291,11 +296,11 @@ def _setup(params: Params, device: torch.device, ddp: Dist, data_dir: Path, ckpt
         model=model,
         forward=model,
         opt=make_optimizer(model, params.train, device),
-        train_tokens=read_tokens(data_dir / "train.bin", vocab_size),
-        val_tokens=read_tokens(data_dir / "val.bin", vocab_size),
+        train_tokens=train_tokens,
+        val_tokens=read_tokens(tokens_dir, "val"),
         autocast=autocast(device, precision),
         precision=precision,
-        fingerprint=fingerprint(params, ddp.world, data_dir / "train.bin"),
+        fingerprint=fingerprint(params, ddp.world, train_tokens.digest),
         ckpt_dir=ckpt_dir,
         manifest=json.loads(MANIFEST_FILE.read_text()) if MANIFEST_FILE.is_file() else {},
         progress=Progress(),

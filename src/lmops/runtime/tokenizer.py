@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from lmops.errors import LmopsError
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
-_CHUNK_CHARS = 1 << 16
+CHUNK_CHARS = 1 << 16  # encoding pieces: see `chunks`
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:
@@ -34,7 +34,7 @@ def chunks(text: str) -> Iterator[str]:
     """Pieces of ~64K chars cut after a newline; byte-level BPE round-trips each exactly."""
     start = 0
     while start < len(text):
-        end = text.find("\n", start + _CHUNK_CHARS)
+        end = text.find("\n", start + CHUNK_CHARS)
         end = len(text) if end < 0 else end + 1
         yield text[start:end]
         start = end
