@@ -235,6 +235,7 @@ started=$SECONDS
 IMAGE_TARGET=pipeline CONTAINER_ENGINE=$engine CONTEXT=$context deploy/build_image.sh -- "${build_opts[@]}"
 pipeline_image="lmops:$(IMAGE_TARGET=pipeline image_tag)"
 echo "image-test: built $pipeline_image in $((SECONDS - started)) s" >&2
+# shellcheck disable=SC2016 # expanded by the container's shell, not this one
 $engine run --rm --read-only --tmpfs /tmp:rw,mode=1777 "${ulimits[@]}" "$pipeline_image" sh -c '
   test "$(id -u)" = 10001 && lmops --help >/dev/null &&
   python -c "import dvc, mlflow, lmops.pipeline.train, lmops.pipeline.promote" &&
