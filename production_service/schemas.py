@@ -330,8 +330,8 @@ def build_document(limits: Limits, api_key: bool) -> dict:
         "/ready": get(
             "Readiness: model loaded and warmed up, not draining", _json("Status", "Ready"), _errors(503)
         ),
-        "/metrics": get("Prometheus metrics: engine and HTTP", text),
-        "/openapi.json": get("This document", document),
+        "/metrics": get("Prometheus metrics: engine and HTTP", text, _errors(*auth), **secured),
+        "/openapi.json": get("This document", document, _errors(*auth), **secured),
     }
     schemas = _schemas(
         *request_models(limits), Completion, CompletionChunk, Prediction, ModelList, Status, Error

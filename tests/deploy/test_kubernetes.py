@@ -63,7 +63,14 @@ def test_rendered_overlay_is_valid(rendered, overlay):
     proc = validate(rendered[overlay])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     kinds = {line.rsplit(": ", 1)[1].split("/")[0] for line in proc.stdout.splitlines()}
-    assert kinds == {"Namespace", "Service", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget"}
+    assert kinds == {
+        "Namespace",
+        "Service",
+        "Deployment",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    }
 
 
 def test_validation_is_strict(tmp_path):
@@ -115,6 +122,25 @@ def test_deployment_service_hpa_pdb_as_promised():
     assert service["spec"]["type"] == "LoadBalancer" and service["spec"]["ports"][0]["port"] == 5001
     assert hpa["spec"]["scaleTargetRef"]["name"] == "lmops" and hpa["spec"]["minReplicas"] >= 2
     assert pdb["spec"]["minAvailable"] == 1
+
+
+def test_network_policy_opens_the_api_port_to_the_load_balancer_and_probes_to_monitoring():
+    """/metrics needs no key on the probe port, so only Prometheus' namespace reaches it."""
+    kinds = by_kind(list(yaml.safe_load_all((REPO / "k8s-deployment.yml").read_text())))
+    policy, deployment = kinds["NetworkPolicy"]["spec"], kinds["Deployment"]
+    assert (
+        policy["podSelector"]["matchLabels"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert policy["policyTypes"] == ["Ingress"]
+    rules = {rule["ports"][0]["port"]: rule.get("from") for rule in policy["ingress"]}
+    assert all(len(rule["ports"]) == 1 for rule in policy["ingress"])
+    assert rules == {
+        "http": None,  # any source: the LoadBalancer's traffic
+        "probes": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+    }
+    ports = {p["name"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert set(rules) == ports
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

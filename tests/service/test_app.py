@@ -259,8 +259,28 @@ def test_api_key_is_required_and_compared_in_constant_time(model_dir, monkeypatc
     )
     assert len(calls) == 2  # every bearer token went through compare_digest
     assert client.get("/health").status_code == 200
-    doc = client.get("/openapi.json").get_json()
-    assert doc["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
+    assert_error(client.get("/ready"), 503, "not_ready")  # open: answered, not refused
+    for path in ("/metrics", "/openapi.json", "/no/such/path"):  # everything else needs the key
+        assert_error(client.get(path), 401, "invalid_api_key")
+    doc = client.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).get_json()
+    for path, method in [("/v1/completions", "post"), ("/metrics", "get"), ("/openapi.json", "get")]:
+        assert doc["paths"][path][method]["security"] == [{"bearer": []}]
+    assert "security" not in doc["paths"]["/health"]["get"]
+    # the probe port's app: probes and metrics without a key, for kubelet and Prometheus
+    probe = app_module.probe_app(client.application).test_client()
+    assert probe.get("/metrics").status_code == 200 and probe.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("key", ["", "   ", "s3cret key", "clé-secrète"])
+def test_an_empty_blank_or_unsendable_api_key_refuses_to_start(key, monkeypatch):
+    """An empty Secret used to mean "no key" (pydantic-settings' env_ignore_empty), and a
+    key no client can send locked everyone out; both stop the server with one line."""
+    monkeypatch.setenv("LMOPS_API_KEY", key)
+    with pytest.raises(LmopsError, match="^LMOPS_API_KEY: (empty or blank|must be printable ASCII)") as err:
+        ServiceConfig.from_env()
+    assert "\n" not in str(err.value) and (not key.strip() or key not in str(err.value))
+    monkeypatch.delenv("LMOPS_API_KEY")
+    assert ServiceConfig.from_env().api_key is None
 
 
 def test_corrupt_model_fails_with_one_clear_error(model_dir, tmp_path):
