@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmops.errors import LmopsError
-from lmops.runtime.model_dir import CONFIG_FILE, ModelMeta, download, verify
+from lmops.runtime.model_dir import CONFIG_FILE, ModelMeta, current, download, verify
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +54,16 @@ def default_model_cache() -> Path:
 
 def resolve_model(model_dir: Path, model_uri: str | None = None, cache: Path | None = None) -> ModelInfo:
     """The local directory to load and what is known about it (registry facts win
-    over lmops.json, which a plain HF Llama directory does not have)."""
+    over lmops.json, which a plain HF Llama directory does not have). In an export,
+    the version its `.current` names: complete whatever step a promote was killed at."""
     if model_uri:
         path, registry = _cached_download(model_uri, cache or default_model_cache())
+        name = path.name
     else:
-        path, registry = Path(model_dir), {}
+        path, registry, name = current(model_dir), {}, Path(model_dir).name
         if not (path / CONFIG_FILE).is_file():
             raise LmopsError(
-                f"{path}: not a model directory (missing {CONFIG_FILE}); "
+                f"{model_dir}: not a model directory (missing {CONFIG_FILE}); "
                 "run `make run` to promote one, or set LMOPS_MODEL_DIR / LMOPS_MODEL_URI"
             )
     meta = verify(path)
@@ -74,10 +76,10 @@ def resolve_model(model_dir: Path, model_uri: str | None = None, cache: Path | N
     version = facts.get("model_version")
     return ModelInfo(
         path=path,
-        name=str(facts.get("model_name") or path.name),
+        name=str(facts.get("model_name") or name),
         version=None if version is None else str(version),
         run_id=facts.get("run_id"),
-        source=model_uri or str(path),
+        source=model_uri or str(model_dir),
         meta=meta,
     )
 
