@@ -142,6 +142,22 @@ def test_invalid_values_are_400_naming_the_field(client, body, param):
     assert_error(completion(client, **body), 400, "invalid_value", param)
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": [5, -1]}, "prompt.1: Input should be greater than or equal to 0"),
+        ({"prompt": [[5], [10**6]]}, "prompt.1.0: Input should be less than or equal to"),
+        ({"stop": ["x"] * 10_000}, "stop: List should have at most 8 items"),
+        ({"stop": "x" * 300}, "stop: String should have at most 256 characters"),
+        ({"prompt": ["a", 3]}, "prompt.1: Input should be a valid string"),
+    ],
+)
+def test_the_message_names_what_is_wrong_in_a_union(client, body, message):
+    """`prompt` and `stop` take several shapes; the message used to be the first shape's
+    complaint ("Input should be a valid string" for token id -1 or 10,000 stop strings)."""
+    assert assert_error(completion(client, **body), 400, "invalid_value")["message"].startswith(message)
+
+
 def test_missing_prompt_and_non_object_bodies(client):
     assert_error(client.post("/v1/completions", json={"max_tokens": 3}), 400, param="prompt")
     assert_error(client.post("/v1/completions", json=[1, 2]), 400, "invalid_value")
