@@ -137,9 +137,12 @@ remote_image() {
 
 azure_login() {
   if [ -n "${AZURE_CLIENT_ID:-}" ]; then
-    run az login --service-principal --username "$AZURE_CLIENT_ID" \
-      --password "${AZURE_CLIENT_SECRET:?set AZURE_CLIENT_SECRET}" \
+    # The secret goes through a private file (az reads `@FILE` values from it), never argv,
+    # which `ps` shows anyone on the agent.
+    (umask 077 && printf '%s' "${AZURE_CLIENT_SECRET:?set AZURE_CLIENT_SECRET}" >"$WORK/azure-secret")
+    run az login --service-principal --username "$AZURE_CLIENT_ID" --password "@$WORK/azure-secret" \
       --tenant "${AZURE_TENANT_ID:?set AZURE_TENANT_ID}" --output none
+    rm -f "$WORK/azure-secret"
   fi
   if [ -n "${AZURE_SUBSCRIPTION_ID:-}" ]; then
     run az account set --subscription "$AZURE_SUBSCRIPTION_ID"

@@ -47,7 +47,8 @@ DRY_RUNS = [
         (),
         {"CLOUD": "aks"},
         [
-            "az login --service-principal --username test-client --password *** --tenant test-tenant",
+            "az login --service-principal --username test-client --password @/",  # a file
+            "/azure-secret --tenant test-tenant",
             "az acr login --name testacr",
             f"docker tag lmops:0123abcd {ACR}:0123abcd",
             f"docker push {ACR}:0123abcd",
@@ -167,7 +168,8 @@ DRY_RUNS = [
             AKS_LOGIN,
             "kubectl --namespace lmops get service lmops",
             "http://LOADBALANCER:5001/health",
-            "Authorization:\\ Bearer\\ ***",
+            "--header @/",  # the bearer token from a file, not argv
+            "/auth-header",
             "http://LOADBALANCER:5001/v1/completions",
         ],
     ),
@@ -263,6 +265,7 @@ def test_failed_rollout_is_rolled_back(tmp_path, kubectl):
         ["kubectl", "--namespace"],
     ]
     assert "rollout undo deployment/lmops" in calls[4] and "rolling back" in proc.stderr
+    assert SECRETS["AZURE_CLIENT_SECRET"] not in log.read_text()  # argv is visible in `ps`
 
 
 def test_scripts_pass_shellcheck():
