@@ -106,7 +106,9 @@ def _end(response: Response) -> Response:
 
 @api.before_request
 def _admit() -> None:
-    """A model that is ready to take the request."""
+    """A model that is ready to take the request, and room in the queue: a full queue is a
+    429 before the body is parsed or tokenized, so clients retrying fast cost the served
+    ones little (submit still refuses what does not fit)."""
     runtime = _runtime()
     if runtime.state in ("draining", "stopped"):
         raise APIError(503, "The server is shutting down.", code="shutting_down")
@@ -116,6 +118,11 @@ def _admit() -> None:
             "The model is not loaded yet." if runtime.state == "loading" else "The model failed to load.",
             code="not_ready",
         )
+    if request.endpoint in _QUEUED_ENDPOINTS and runtime.loop.num_waiting >= runtime.loop.max_queued:
+        raise completions.queue_full()
+
+
+_QUEUED_ENDPOINTS = ("api.completions", "api.predict")
 
 
 _OPEN_ENDPOINTS = ("ops._health", "ops._ready")  # what load balancers and kubelets call

@@ -327,6 +327,8 @@ def test_full_queue_is_429_then_shutdown_is_503(model_dir):
     r = completion(client)
     assert_error(r, 429, "queue_full")
     assert int(r.headers["Retry-After"]) >= 1 and time.monotonic() - started < 1
+    # refused before the body is read: a fast-retrying client costs next to nothing
+    assert_error(client.post("/v1/completions", data="{not json", content_type="application/json"), 429)
     running.cancel()
     waiting.cancel()
     runtime.shutdown(1)
