@@ -13,7 +13,6 @@ only the cluster reaches (the NetworkPolicy), serves /metrics to Prometheus with
 from __future__ import annotations
 
 import functools
-import hmac
 import json
 import re
 import select
@@ -108,7 +107,8 @@ def _end(response: Response) -> Response:
 def _admit() -> None:
     """A model that is ready to take the request, and room in the queue: a full queue is a
     429 before the body is parsed or tokenized, so clients retrying fast cost the served
-    ones little (submit still refuses what does not fit)."""
+    ones little (submit still refuses what does not fit; under gunicorn the worker answers
+    most of them before the app, production_service/worker.py)."""
     runtime = _runtime()
     if runtime.state in ("draining", "stopped"):
         raise APIError(503, "The server is shutting down.", code="shutting_down")
@@ -133,9 +133,7 @@ def _authorize() -> None:
     path too: a 401, not a map of what exists)."""
     if request.endpoint in _OPEN_ENDPOINTS:
         return
-    key = _runtime().config.api_key
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())):
+    if not _runtime().config.authorizes(request.headers.get("Authorization", "")):
         raise APIError(
             401,
             "Missing or wrong API key: send `Authorization: Bearer <key>`.",

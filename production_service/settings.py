@@ -10,6 +10,7 @@ change to this file.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import os
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,16 @@ class ServiceConfig(BaseSettings):
                 f"{sorted({'do_sample', *GENERATION_KEYS})}"
             )
         return value
+
+    def authorizes(self, authorization: str) -> bool:
+        """Whether an Authorization header value carries the key (`Bearer <key>`), compared
+        in constant time; anything does when no key is set."""
+        if self.api_key is None:
+            return True
+        scheme, _, token = authorization.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        )
 
     @property
     def worker_threads(self) -> int:

@@ -49,6 +49,16 @@ PROBE_READ_TIMEOUT_S = 5
 API_CHECK_TIMEOUT_S = 2
 
 
+QUEUED_PATHS = ("/v1/completions", "/predict")  # what the engine's queue takes
+_QUEUE_FULL_BODY = json.dumps(
+    error_body(429, "The server's queue is full; retry shortly.", "queue_full")
+).encode()
+_QUEUE_FULL = (
+    "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    f"Content-Length: {len(_QUEUE_FULL_BODY)}\r\n"
+).encode()
+
+
 @dataclass
 class _PendingBody:
     """A Content-Length body being gathered between the poller's wake-ups."""
@@ -107,7 +117,7 @@ class ThreadWorker(gthread.ThreadWorker):
             req.must_close = True  # the app answers 413 unread; nothing is drained after it
         elif isinstance(reader, ChunkedReader) and not self._read_chunked(req, conn, deadline):
             return False
-        return super().handle_request(req, conn)
+        return self._dispatch(req, conn)
 
     def _gather(self, conn):
         """Read what has arrived of the pending body without blocking: the whole body
@@ -129,7 +139,33 @@ class ThreadWorker(gthread.ThreadWorker):
             conn.sock.setblocking(True)
         conn.body = None
         pending.req.body = io.BytesIO(pending.data)  # wsgi.input: the app reads from memory
-        return super().handle_request(pending.req, conn)
+        return self._dispatch(pending.req, conn)
+
+    def _dispatch(self, req, conn):
+        """The request to the app; or, for a completion while the queue is full, the 429
+        written from here: a client retrying every few milliseconds then costs a parse
+        and a write, not the app's request handling, which would take the GIL from the
+        engine's loop. Counted on /metrics like any request; not access-logged one by one
+        (a retry storm would flood the log)."""
+        if req.method == "POST" and req.path in QUEUED_PATHS and self._queue_full(req):
+            started = time.perf_counter()
+            close = req.should_close()
+            util.write(
+                conn.sock,
+                _QUEUE_FULL + (b"Connection: close\r\n" if close else b"") + b"\r\n" + _QUEUE_FULL_BODY,
+            )
+            self.wsgi.extensions["lmops.http"].count("POST", req.path, 429, time.perf_counter() - started)
+            return not close
+        return super().handle_request(req, conn)
+
+    def _queue_full(self, req) -> bool:
+        """Full, for a request the app would otherwise take (model ready, key right)."""
+        runtime = self.wsgi.extensions["lmops"]
+        loop = runtime.loop
+        if not runtime.ready or loop is None or loop.num_waiting < loop.max_queued:
+            return False
+        authorization = next((v for h, v in req.headers if h == "AUTHORIZATION"), "")
+        return runtime.config.authorizes(authorization)
 
     def _read_chunked(self, req, conn, deadline: float) -> bool:
         """Read a chunked body (up to one byte over the limit, for the app's 413) on this

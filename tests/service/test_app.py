@@ -260,8 +260,8 @@ def test_reference_gauge_from_lmops_json_and_warning_without(model_dir, tmp_path
 def test_api_key_is_required_and_compared_in_constant_time(model_dir, monkeypatch):
     client = create_app(ServiceConfig(model_dir=model_dir, api_key="s3cret"), start=False).test_client()
     calls = []
-    real = app_module.hmac.compare_digest
-    monkeypatch.setattr(app_module.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    real = settings_module.hmac.compare_digest
+    monkeypatch.setattr(settings_module.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
     r = completion(client)
     assert_error(r, 401, "invalid_api_key")
     assert r.headers["WWW-Authenticate"] == "Bearer"
