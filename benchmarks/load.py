@@ -174,7 +174,8 @@ def start_engine(model_dir: Path, device: str):
     return EngineLoop(engine, max_queued=config.max_queued).start()
 
 
-def start_server(model_dir: Path, device: str) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, device: str, **settings: str) -> tuple[subprocess.Popen, str]:
+    """The real server on free 127.0.0.1 ports; `settings` are extra environment variables."""
     from production_service.server import gunicorn_argv, wait_ready
 
     ports = []
@@ -189,12 +190,13 @@ def start_server(model_dir: Path, device: str) -> tuple[subprocess.Popen, str]:
         "LMOPS_PROBE_PORT": str(ports[1]),
         "LMOPS_MODEL_DIR": str(model_dir),
         "LMOPS_DEVICE": device,
+        **settings,
     }
     env.pop("LMOPS_API_KEY", None)
     with tempfile.NamedTemporaryFile(prefix="lmops-load-", suffix=".log", delete=False) as log:
         proc = subprocess.Popen(gunicorn_argv(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{ports[0]}"
-    if not wait_ready(url, proc, timeout=120):
+    if not wait_ready(url, proc, timeout=300):  # a first decode compile on a busy box is slow
         proc.kill()
         raise SystemExit(f"server did not become ready; see {log.name}")
     print(f"server ready at {url} (log {log.name})", file=sys.stderr)

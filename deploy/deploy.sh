@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Deploy the pushed image to AKS or EKS: render the cloud's overlay with it,
-# validate, apply, wait for the rollout, and roll back when the rollout fails.
+# Deploy the pushed image to AKS or EKS: render the cloud's overlay with it, pinned by
+# digest (the tag's digest in the registry now), validate, apply, wait for the rollout,
+# and roll back when the rollout fails.
 #
 #   CLOUD=aks|eks [GPU=1] [CANARY=1] [IMAGE_TAG=...] [LMOPS_API_KEY=...] deploy/deploy.sh [--dry-run]
 #
@@ -85,13 +86,14 @@ if truthy "${CANARY:-}"; then
 fi
 seconds "$timeout" >/dev/null # a typo stops here, before anything is deployed
 if truthy "${GPU:-}"; then overlay=$overlay/gpu; fi
-# The overlay names the image after a placeholder registry; swap in the real one.
+use_cluster "$CLOUD"
+# The overlay names the image after a placeholder registry and digest; swap in the
+# pushed image, pinned by the digest its tag has now.
 placeholder=$(sed -n 's/^ *newName: *//p' "deploy/$CLOUD/cloud/kustomization.yaml")
-image=$(remote_image "$CLOUD")
+image=$(pinned_image "$CLOUD" "$(remote_image "$CLOUD")")
 render "$overlay" "$placeholder" "$image"
 echo "rendered $overlay with image $image" >&2
 
-use_cluster "$CLOUD"
 check_api_key_secret "$NAMESPACE"
 run kubectl apply --filename "$WORK/manifests.yaml"
 if truthy "${CANARY:-}"; then

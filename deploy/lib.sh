@@ -135,11 +135,37 @@ remote_image() {
   echo "$host/lmops:$tag"
 }
 
+# pinned_image CLOUD IMAGE: IMAGE (name:tag, as pushed) as name@sha256:..., the digest the
+# registry holds for that tag now, so what is deployed cannot change under the tag. A dry
+# run prints the lookup and pins a placeholder digest.
+pinned_image() {
+  local name=${2%:*} tag=${2##*:} digest
+  case "$2" in *@sha256:*)
+    echo "$2"
+    return
+    ;;
+  esac
+  [ -z "${IMAGE:-}" ] || die "IMAGE must name a digest (name@sha256:...), got $IMAGE"
+  case "$(registry_for "$1")" in
+    acr) digest=$(run az acr repository show --name "$ACR_NAME" --image "lmops:$tag" --query digest --output tsv) ;;
+    ecr) digest=$(run aws ecr describe-images --region "$AWS_REGION" --repository-name lmops \
+      --image-ids "imageTag=$tag" --query 'imageDetails[0].imageDigest' --output text) ;;
+  esac
+  if dry_run; then digest=sha256:$(printf 'd%.0s' {1..64}); fi
+  case "$digest" in
+    sha256:*) echo "$name@$digest" ;;
+    *) die "no digest for $2 in the registry (pushed? deploy/push_image.sh)" ;;
+  esac
+}
+
 azure_login() {
   if [ -n "${AZURE_CLIENT_ID:-}" ]; then
-    run az login --service-principal --username "$AZURE_CLIENT_ID" \
-      --password "${AZURE_CLIENT_SECRET:?set AZURE_CLIENT_SECRET}" \
+    # The secret goes through a private file (az reads `@FILE` values from it), never argv,
+    # which `ps` shows anyone on the agent.
+    (umask 077 && printf '%s' "${AZURE_CLIENT_SECRET:?set AZURE_CLIENT_SECRET}" >"$WORK/azure-secret")
+    run az login --service-principal --username "$AZURE_CLIENT_ID" --password "@$WORK/azure-secret" \
       --tenant "${AZURE_TENANT_ID:?set AZURE_TENANT_ID}" --output none
+    rm -f "$WORK/azure-secret"
   fi
   if [ -n "${AZURE_SUBSCRIPTION_ID:-}" ]; then
     run az account set --subscription "$AZURE_SUBSCRIPTION_ID"
@@ -169,7 +195,7 @@ use_cluster() {
 }
 
 # render SOURCE FROM TO [NAMESPACE [PATCH]]: SOURCE (a kustomization folder or one
-# manifest file) with the image named FROM replaced by TO (name:tag), moved to
+# manifest file) with the image named FROM replaced by TO (name:tag or name@digest), moved to
 # NAMESPACE when given, PATCH (a file, a strategic merge patch) applied, plus the
 # Secret lmops-api-key when LMOPS_API_KEY is set. Writes $WORK/manifests.yaml and
 # validates it (deploy/validate.py).
@@ -186,7 +212,10 @@ render() {
     echo "kind: Kustomization"
     if [ -n "$namespace" ]; then echo "namespace: $namespace"; fi
     echo "resources: [$source]"
-    echo "images: [{name: $from, newName: ${to%:*}, newTag: ${to##*:}}]"
+    case "$to" in
+      *@*) echo "images: [{name: $from, newName: ${to%@*}, digest: ${to#*@}}]" ;;
+      *) echo "images: [{name: $from, newName: ${to%:*}, newTag: ${to##*:}}]" ;;
+    esac
     if [ -n "$patch" ]; then
       cp "$patch" "$dir/patch.yaml"
       echo "patches: [{path: patch.yaml}]"

@@ -8,7 +8,7 @@
 # waiting up to LB_TIMEOUT seconds (default 900) for it: aks/eks the LoadBalancer
 # Service lmops; kubeflow the KServe ingress gateway (istio-system), with the
 # InferenceService's host name as Host header. LMOPS_API_KEY, when set, is sent
-# as the bearer token.
+# as the bearer token (through a private file, never on a command line).
 # shellcheck source=lib.sh
 source "$(dirname "$0")/lib.sh"
 
@@ -22,7 +22,9 @@ for arg in "${ARGS[@]}"; do
 done
 curl_args=(--fail --silent --show-error --max-time 60)
 if [ -n "${LMOPS_API_KEY:-}" ]; then
-  curl_args+=(--header "Authorization: Bearer $LMOPS_API_KEY")
+  # From a file (curl's --header @FILE), not argv, which `ps` shows anyone on the agent.
+  (umask 077 && printf 'Authorization: Bearer %s\n' "$LMOPS_API_KEY" >"$WORK/auth-header")
+  curl_args+=(--header "@$WORK/auth-header")
 fi
 
 # external_address SERVICE NAMESPACE: the LoadBalancer's IP or host name, once it has one.

@@ -5,13 +5,14 @@
 gunicorn runs `create_app()` in its (single) worker, so the engine and its
 background loop live there and every request of the replica joins one
 continuous batch. The `ops` endpoints are also served on their own probe port
-(`probe_app`), so probes answer while every API thread is busy.
+(`probe_app`), so probes answer while every API thread is busy. With an API key,
+everything on the API port but /health and /ready needs it; the probe port, which
+only the cluster reaches (the NetworkPolicy), serves /metrics to Prometheus without.
 """
 
 from __future__ import annotations
 
 import functools
-import hmac
 import json
 import re
 import select
@@ -48,15 +49,20 @@ def create_app(config: ServiceConfig | None = None, *, start: bool = True) -> Fl
     configure_logging()
     runtime = Runtime(config)
     app = _flask(runtime, HttpMetrics(lambda: runtime.ready), api, ops)
+    if config.api_key is not None:
+        app.before_request(_authorize)
     if start:
         app.extensions["lmops"].start()
     return app
 
 
-def probe_app(app: Flask) -> Flask:
-    """The `ops` endpoints of `app` alone, sharing its runtime and metrics: what the
-    probe port serves."""
-    return _flask(app.extensions["lmops"], app.extensions["lmops.http"], ops)
+def probe_app(app: Flask, api_answers=None) -> Flask:
+    """The `ops` endpoints of `app` alone, sharing its runtime and metrics, no key needed:
+    what the probe port serves. `api_answers()` says whether the API port takes a request;
+    /ready fails when it does not."""
+    probe = _flask(app.extensions["lmops"], app.extensions["lmops.http"], ops)
+    probe.extensions["lmops.api_answers"] = api_answers
+    return probe
 
 
 def _flask(runtime: Runtime, http: HttpMetrics, *blueprints: Blueprint) -> Flask:
@@ -99,10 +105,11 @@ def _end(response: Response) -> Response:
 
 @api.before_request
 def _admit() -> None:
-    """Authorized, and a model that is ready to take the request."""
+    """A model that is ready to take the request, and room in the queue: a full queue is a
+    429 before the body is parsed or tokenized, so clients retrying fast cost the served
+    ones little (submit still refuses what does not fit; under gunicorn the worker answers
+    most of them before the app, production_service/worker.py)."""
     runtime = _runtime()
-    if runtime.config.api_key is not None:
-        _authorize(runtime.config.api_key)
     if runtime.state in ("draining", "stopped"):
         raise APIError(503, "The server is shutting down.", code="shutting_down")
     if not runtime.ready:
@@ -111,12 +118,22 @@ def _admit() -> None:
             "The model is not loaded yet." if runtime.state == "loading" else "The model failed to load.",
             code="not_ready",
         )
+    if request.endpoint in _QUEUED_ENDPOINTS and runtime.loop.num_waiting >= runtime.loop.max_queued:
+        raise completions.queue_full()
 
 
-def _authorize(key: str) -> None:
-    """Bearer token, compared in constant time."""
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())):
+_QUEUED_ENDPOINTS = ("api.completions", "api.predict")
+
+
+_OPEN_ENDPOINTS = ("ops._health", "ops._ready")  # what load balancers and kubelets call
+
+
+def _authorize() -> None:
+    """Bearer token, compared in constant time, on everything but the probes (an unknown
+    path too: a 401, not a map of what exists)."""
+    if request.endpoint in _OPEN_ENDPOINTS:
+        return
+    if not _runtime().config.authorizes(request.headers.get("Authorization", "")):
         raise APIError(
             401,
             "Missing or wrong API key: send `Authorization: Bearer <key>`.",
@@ -209,9 +226,14 @@ def _health():
 @ops.get("/ready")
 def _ready():
     runtime = _runtime()
-    if runtime.ready:
-        return jsonify({"status": "ready"})
-    raise APIError(503, f"Not ready: {runtime.state}.", code="not_ready")
+    if not runtime.ready:
+        raise APIError(503, f"Not ready: {runtime.state}.", code="not_ready")
+    api_answers = current_app.extensions.get("lmops.api_answers")
+    if api_answers is not None and not api_answers():
+        raise APIError(
+            503, "Not ready: the API port does not answer (every request thread is taken).", code="not_ready"
+        )
+    return jsonify({"status": "ready"})
 
 
 @ops.get("/metrics")

@@ -117,6 +117,12 @@ def sampling_params(body, generation: dict) -> SamplingParams:
         raise APIError(400, str(exc), code="invalid_value", param=param) from None
 
 
+def queue_full() -> APIError:
+    return APIError(
+        429, "The server's queue is full; retry shortly.", code="queue_full", headers={"Retry-After": "1"}
+    )
+
+
 def submit(runtime, body, stats: RequestStats) -> list[Job]:
     """Submit every prompt, or none: a failure cancels what was already submitted."""
     params = sampling_params(body, runtime.generation_config)
@@ -128,9 +134,7 @@ def submit(runtime, body, stats: RequestStats) -> list[Job]:
             jobs.append(Job(text, runtime.loop.submit(ids, params)))
             stats.prompt_tokens += len(ids)
     except QueueFullError:
-        raise APIError(
-            429, "The server's queue is full; retry shortly.", code="queue_full", headers={"Retry-After": "1"}
-        ) from None
+        raise queue_full() from None
     except PromptTooLongError as exc:
         raise APIError(
             400,

@@ -1,16 +1,30 @@
 """Where the served model comes from: a local model directory, or the MLflow
-registry (`models:/lmops@champion`), downloaded once to a local directory."""
+registry (`models:/lmops@champion`), downloaded into the model cache.
+
+The cache (LMOPS_MODEL_CACHE) holds one directory per model version (`lmops-v3`; a URI
+with no registry version, `runs:/...`, by its hash). A restart that finds the version
+there loads it without downloading; a download lands in a hidden scratch directory and
+is renamed into place whole, so one killed midway leaves nothing that looks complete;
+after each resolution every other entry and scratch directory is removed (under a lock,
+so two processes sharing the cache do not prune each other's download).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import logging
+import os
 import re
+import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmops.errors import LmopsError
-from lmops.runtime.model_dir import CONFIG_FILE, ModelMeta, download, read_meta
+from lmops.runtime.model_dir import CONFIG_FILE, ModelMeta, current, download, read_meta, verify
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +46,24 @@ class ModelInfo:
         return None if self.meta is None else self.meta.reference_bits_per_byte
 
 
-def resolve_model(model_dir: Path, model_uri: str | None = None) -> ModelInfo:
+def default_model_cache() -> Path:
+    """$HOME/.cache/lmops/models: in the image HOME is /tmp, the pod's emptyDir, which
+    outlives container restarts."""
+    return Path.home() / ".cache" / "lmops" / "models"
+
+
+def resolve_model(model_dir: Path, model_uri: str | None = None, cache: Path | None = None) -> ModelInfo:
     """The local directory to load and what is known about it (registry facts win
-    over lmops.json, which a plain HF Llama directory does not have)."""
+    over lmops.json, which a plain HF Llama directory does not have). In an export,
+    the version its `.current` names: complete whatever step a promote was killed at."""
     if model_uri:
-        path, registry = _download(model_uri)
+        path, registry = _cached_download(model_uri, cache or default_model_cache())
+        name = path.name
     else:
-        path, registry = Path(model_dir), {}
+        path, registry, name = current(model_dir), {}, Path(model_dir).name
         if not (path / CONFIG_FILE).is_file():
             raise LmopsError(
-                f"{path}: not a model directory (missing {CONFIG_FILE}); "
+                f"{model_dir}: not a model directory (missing {CONFIG_FILE}); "
                 "run `make run` to promote one, or set LMOPS_MODEL_DIR / LMOPS_MODEL_URI"
             )
     meta = read_meta(path)  # the weights are verified when the engine loads them
@@ -54,24 +76,67 @@ def resolve_model(model_dir: Path, model_uri: str | None = None) -> ModelInfo:
     version = facts.get("model_version")
     return ModelInfo(
         path=path,
-        name=str(facts.get("model_name") or path.name),
+        name=str(facts.get("model_name") or name),
         version=None if version is None else str(version),
         run_id=facts.get("run_id"),
-        source=model_uri or str(path),
+        source=model_uri or str(model_dir),
         meta=meta,
     )
 
 
-def _download(uri: str) -> tuple[Path, dict]:
+def _cached_download(uri: str, cache: Path) -> tuple[Path, dict]:
+    """The model `uri` names, from the cache or downloaded into it; the registry facts."""
     from mlflow.exceptions import MlflowException
 
-    path = download(uri, Path(tempfile.mkdtemp(prefix="lmops-model-")))
     try:
         registry = _registry_facts(uri)
     except MlflowException as exc:
         raise LmopsError(f"cannot resolve {uri}: {exc.message}") from None
-    log.info("resolved %s to %s", uri, path)
-    return path, registry
+    version = registry.get("model_version")
+    key = (
+        f"{registry['model_name']}-v{version}"
+        if version
+        else "uri-" + hashlib.sha256(uri.encode()).hexdigest()[:16]
+    )
+    entry = cache / re.sub(r"[^\w.-]", "_", key)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LmopsError(f"LMOPS_MODEL_CACHE: cannot create {cache} ({exc.strerror})") from None
+    with _locked(cache):
+        if entry.is_dir():
+            try:
+                verify(entry)
+                log.info("resolved %s to %s (cached)", uri, entry)
+            except LmopsError as exc:  # damaged on disk: fetch it again
+                log.warning("%s; downloading it again", exc)
+                shutil.rmtree(entry)
+        if not entry.is_dir():
+            scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".tmp", dir=cache))
+            try:
+                os.replace(download(uri, scratch), entry)  # whole, or not at all
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            log.info("resolved %s to %s (downloaded)", uri, entry)
+        for other in cache.iterdir():
+            if other != entry and other.name != _LOCK:
+                log.info("pruning %s from the model cache", other)
+                if other.is_dir():
+                    shutil.rmtree(other, ignore_errors=True)
+                else:
+                    other.unlink(missing_ok=True)
+    return entry, registry
+
+
+_LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def _locked(cache: Path) -> Iterator[None]:
+    """Held while a process downloads into or prunes `cache`."""
+    with open(cache / _LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _registry_facts(uri: str) -> dict:

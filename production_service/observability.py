@@ -78,11 +78,14 @@ class HttpMetrics:
             registry=self.registry,
         )
 
-    def finish(self, stats: RequestStats, method: str, path: str, handler: str, status: int) -> None:
-        total = time.perf_counter() - stats.start
+    def count(self, method: str, handler: str, status: int, seconds: float) -> None:
         label = method if method in METHODS else "other"
         self.requests.labels(label, handler, str(status)).inc()
-        self.latency.labels(label, handler).observe(total)
+        self.latency.labels(label, handler).observe(seconds)
+
+    def finish(self, stats: RequestStats, method: str, path: str, handler: str, status: int) -> None:
+        total = time.perf_counter() - stats.start
+        self.count(method, handler, status, total)
         record = {
             "request_id": stats.request_id,
             "method": method[:16],

@@ -57,7 +57,7 @@ class Runtime:
         from lmops.runtime.engine import EngineLoop, EngineMetrics, LLMEngine, SamplingParams
 
         try:
-            model = resolve_model(self.config.model_dir, self.config.model_uri)
+            model = resolve_model(self.config.model_dir, self.config.model_uri, self.config.model_cache)
             generation = {**read_generation_config(model.path), **self.config.generation_config}
             sampling_defaults(model.path, self.config.generation_config)  # fails the load when invalid
             engine = LLMEngine.from_pretrained(model.path, self.config.engine)

@@ -142,12 +142,22 @@ def validate(model: type[_Request], body: object) -> _Request:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        error = exc.errors(include_url=False, include_input=False)[0]
-        loc = [str(p) for p in error["loc"]]
+        error = _most_telling(exc.errors(include_url=False, include_input=False))
+        # a union's errors carry the member's type in the location ('prompt', 'list[...]', 0)
+        loc = [str(p) for p in error["loc"] if isinstance(p, int) or p.isidentifier()]
         param = loc[0] if loc else None
         raise APIError(
             400, f"{'.'.join(loc) or 'body'}: {error['msg'][:200]}", code="invalid_value", param=param
         ) from None
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """Of the first wrong field's errors (one per member of a union such as `prompt`'s),
+    the one that got furthest: a wrong value of the right type (token id -1, 10,000 stop
+    strings) rather than "Input should be a valid string" from a member it never was."""
+    field = errors[0]["loc"][:1]
+    candidates = [e for e in errors if e["loc"][:1] == field]
+    return max(candidates, key=lambda e: (not e["type"].endswith("_type"), len(e["loc"])))
 
 
 # -- responses -----------------------------------------------------------------------
@@ -330,8 +340,8 @@ def build_document(limits: Limits, api_key: bool) -> dict:
         "/ready": get(
             "Readiness: model loaded and warmed up, not draining", _json("Status", "Ready"), _errors(503)
         ),
-        "/metrics": get("Prometheus metrics: engine and HTTP", text),
-        "/openapi.json": get("This document", document),
+        "/metrics": get("Prometheus metrics: engine and HTTP", text, _errors(*auth), **secured),
+        "/openapi.json": get("This document", document, _errors(*auth), **secured),
     }
     schemas = _schemas(
         *request_models(limits), Completion, CompletionChunk, Prediction, ModelList, Status, Error

@@ -10,6 +10,7 @@ change to this file.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from lmops.errors import LmopsError
 from lmops.runtime.engine.config import EngineConfig
 from lmops.runtime.model_dir import GENERATION_KEYS
+from production_service.model_source import default_model_cache
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model"
 ENV_PREFIX = "LMOPS_"
@@ -38,6 +40,8 @@ class ServiceConfig(BaseSettings):
     probe_port: int = Field(5002, ge=0)
     model_dir: Path = DEFAULT_MODEL_DIR
     model_uri: str | None = None  # e.g. models:/lmops@champion; wins over model_dir
+    # Where model_uri downloads are kept, one directory per model version (model_source.py).
+    model_cache: Path = Field(default_factory=default_model_cache)
     api_key: str | None = None
     threads: int | None = Field(None, ge=1)  # None: enough for every running and queued request
     timeout: int = Field(120, ge=1)
@@ -45,6 +49,9 @@ class ServiceConfig(BaseSettings):
     # A client must send its request line and headers within this many seconds of its
     # first byte, or its connection is closed (frees the thread a trickling client holds).
     header_timeout: float = Field(10.0, gt=0)
+    # The body must follow within this many seconds of the head (and pause no longer
+    # than the 5 s keep-alive), or the client gets a 408 and its connection is closed.
+    body_timeout: float = Field(10.0, gt=0)
     max_queued: int = Field(64, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -67,6 +74,21 @@ class ServiceConfig(BaseSettings):
             data["engine"] = engine
         return data
 
+    @field_validator("api_key")
+    @classmethod
+    def _usable_key(cls, value: str | None) -> str | None:
+        """A key no client could send would lock everyone out; an empty one (an empty
+        Secret) must not quietly mean "no key"."""
+        if value is None:
+            return value
+        if not value.strip():
+            raise ValueError("empty or blank; unset it to serve without a key")
+        if not (value.isascii() and value.isprintable()) or any(c.isspace() for c in value):
+            raise ValueError(
+                "must be printable ASCII without spaces (clients send `Authorization: Bearer <key>`)"
+            )
+        return value
+
     @field_validator("generation_config")
     @classmethod
     def _generation_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -78,6 +100,16 @@ class ServiceConfig(BaseSettings):
             )
         return value
 
+    def authorizes(self, authorization: str) -> bool:
+        """Whether an Authorization header value carries the key (`Bearer <key>`), compared
+        in constant time; anything does when no key is set."""
+        if self.api_key is None:
+            return True
+        scheme, _, token = authorization.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        )
+
     @property
     def worker_threads(self) -> int:
         """A thread per running and queued request (plus a few), so a full queue
@@ -86,7 +118,7 @@ class ServiceConfig(BaseSettings):
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, *args, **kwargs):
-        return init_settings, env_settings, _EngineEnv(settings_cls)
+        return init_settings, env_settings, _EngineEnv(settings_cls), _ApiKeyEnv(settings_cls)
 
     @classmethod
     def from_env(cls) -> ServiceConfig:
@@ -112,6 +144,18 @@ class _EngineEnv(PydanticBaseSettingsSource):
             if value:
                 values[name] = value
         return {"engine": values} if values else {}
+
+
+class _ApiKeyEnv(PydanticBaseSettingsSource):
+    """LMOPS_API_KEY when set but empty, which env_ignore_empty would drop (turning an
+    empty Secret into "no key"), so the validator refuses it."""
+
+    def get_field_value(self, field, field_name):
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        key = os.environ.get(ENV_PREFIX + "API_KEY")
+        return {} if key is None else {"api_key": key}
 
 
 def _env_name(loc: tuple, message: str) -> str:

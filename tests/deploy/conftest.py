@@ -105,7 +105,9 @@ def fake_cluster(tmp_path: Path, kubectl: str, cases: str = "") -> tuple[Path, P
     calls.log; `cases` are extra `case "$*" in` branches for the kubectl stand-in."""
     log, bin_dir = tmp_path / "calls.log", tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "az").write_text(f'#!/bin/sh\necho "az $*" >> {log}\n')
+    (bin_dir / "az").write_text(
+        f'#!/bin/sh\necho "az $*" >> {log}\ncase "$*" in *"acr repository show"*) echo sha256:{"e" * 64} ;; esac\n'
+    )
     (bin_dir / "kubectl").write_text(
         f'#!/bin/sh\n[ "$1" = kustomize ] && exec {kubectl} "$@"\necho "kubectl $*" >> {log}\n'
         f'case "$*" in\n{cases}esac\n'

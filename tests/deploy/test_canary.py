@@ -65,7 +65,7 @@ def test_canary_overlay_is_the_plain_one_with_a_rollout(kubectl, overlay, tmp_pa
         assert given == needed == {"canary-hash", "stable-hash", "namespace"}
     target = canary["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]
     assert target == {"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "name": "lmops"}
-    for kind in ("Service", "PodDisruptionBudget", "Namespace"):
+    for kind in ("Service", "PodDisruptionBudget", "NetworkPolicy", "Namespace"):
         assert canary[kind] == plain[kind]
     assert all(d["metadata"].get("namespace") == "lmops" for k, d in canary.items() if k != "Namespace")
 

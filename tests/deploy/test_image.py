@@ -144,6 +144,10 @@ def test_dockerignore_keeps_data_venv_mlflow_db_and_caches_out():
         ".dvc/cache/x",
         "src/lmops/__pycache__/cli.cpython-311.pyc",
         "production_service/model.tmp/config.json",
+        "production_service/.model.4242.abcd1234.tmp/model.safetensors",  # a killed older export
+        "production_service/.model.old/config.json",
+        "production_service/model/.staging.4242.abcd1234.tmp/model.safetensors",  # a killed export
+        "production_service/model/.config.json.abcd1234.tmp",
         "tests/unit/test_model.py",
     ]:
         assert dockerignored(path, patterns), f"{path} would be sent to the docker build"
@@ -156,6 +160,8 @@ def test_dockerignore_keeps_data_venv_mlflow_db_and_caches_out():
         "production_service/app.py",
         "production_service/gunicorn.conf.py",
         "production_service/model/config.json",
+        "production_service/model/.current",  # the export's versioned layout (model_dir.export)
+        "production_service/model/.v-0123456789ab/model.safetensors",
     ]:
         assert not dockerignored(path, patterns), f"{path} is needed by the Dockerfile but ignored"
 

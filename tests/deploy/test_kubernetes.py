@@ -18,7 +18,9 @@ KUBEFLOW = [
     "kubeflow/inferenceservice-gpu.yaml",
     "kubeflow/pytorchjob.yaml",
 ]
-REGISTRY = {"aks": ".azurecr.io/lmops:", "eks": ".dkr.ecr.us-east-1.amazonaws.com/lmops:"}
+REGISTRY = {"aks": ".azurecr.io/lmops@", "eks": ".dkr.ecr.us-east-1.amazonaws.com/lmops@"}
+# What an overlay applied by hand pulls: nothing (deploy.sh pins the pushed image's digest).
+PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
 
 
 def validate(path) -> subprocess.CompletedProcess:
@@ -63,7 +65,14 @@ def test_rendered_overlay_is_valid(rendered, overlay):
     proc = validate(rendered[overlay])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     kinds = {line.rsplit(": ", 1)[1].split("/")[0] for line in proc.stdout.splitlines()}
-    assert kinds == {"Namespace", "Service", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget"}
+    assert kinds == {
+        "Namespace",
+        "Service",
+        "Deployment",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    }
 
 
 def test_validation_is_strict(tmp_path):
@@ -117,13 +126,32 @@ def test_deployment_service_hpa_pdb_as_promised():
     assert pdb["spec"]["minAvailable"] == 1
 
 
+def test_network_policy_opens_the_api_port_to_the_load_balancer_and_probes_to_monitoring():
+    """/metrics needs no key on the probe port, so only Prometheus' namespace reaches it."""
+    kinds = by_kind(list(yaml.safe_load_all((REPO / "k8s-deployment.yml").read_text())))
+    policy, deployment = kinds["NetworkPolicy"]["spec"], kinds["Deployment"]
+    assert (
+        policy["podSelector"]["matchLabels"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert policy["policyTypes"] == ["Ingress"]
+    rules = {rule["ports"][0]["port"]: rule.get("from") for rule in policy["ingress"]}
+    assert all(len(rule["ports"]) == 1 for rule in policy["ingress"])
+    assert rules == {
+        "http": None,  # any source: the LoadBalancer's traffic
+        "probes": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+    }
+    ports = {p["name"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert set(rules) == ports
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_sets_registry_load_balancer_and_gpu(rendered, overlay):
     cloud, gpu = overlay.split("/")[0], overlay.endswith("gpu")
     kinds = by_kind(list(yaml.safe_load_all(rendered[overlay].read_text())))
     pod = kinds["Deployment"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert REGISTRY[cloud] in container["image"] and container["image"].endswith("-cuda") == gpu
+    assert container["image"].endswith(REGISTRY[cloud] + PLACEHOLDER_DIGEST)  # never a tag, never latest
     annotations = kinds["Service"]["metadata"]["annotations"]
     prefix = {
         "aks": "service.beta.kubernetes.io/azure-load-balancer-",

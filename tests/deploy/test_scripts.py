@@ -16,6 +16,7 @@ from tests.deploy.conftest import BIN, REPO, SECRETS, fake_cluster, run_script, 
 ACR, ECR = "testacr.azurecr.io/lmops", "111122223333.dkr.ecr.eu-west-1.amazonaws.com/lmops"
 AKS_LOGIN = "az aks get-credentials --resource-group test-rg --name test-aks"
 EKS_LOGIN = "aws eks update-kubeconfig --region eu-west-1 --name test-eks"
+DRY_DIGEST = "sha256:" + "d" * 64  # what a dry run pins instead of the registry's digest
 
 # (script, arguments, environment, what the dry run must print). The Jenkinsfile test
 # checks that each of its `sh` steps is one of these.
@@ -47,7 +48,8 @@ DRY_RUNS = [
         (),
         {"CLOUD": "aks"},
         [
-            "az login --service-principal --username test-client --password *** --tenant test-tenant",
+            "az login --service-principal --username test-client --password @/",  # a file
+            "/azure-secret --tenant test-tenant",
             "az acr login --name testacr",
             f"docker tag lmops:0123abcd {ACR}:0123abcd",
             f"docker push {ACR}:0123abcd",
@@ -76,7 +78,8 @@ DRY_RUNS = [
         (),
         {"CLOUD": "aks"},
         [
-            f"rendered deploy/aks with image {ACR}:0123abcd",
+            "az acr repository show --name testacr --image lmops:0123abcd",
+            f"rendered deploy/aks with image {ACR}@{DRY_DIGEST}",
             AKS_LOGIN,
             "kubectl apply --filename",
             "kubectl --namespace lmops rollout status deployment/lmops --timeout=10m",
@@ -86,15 +89,28 @@ DRY_RUNS = [
         "deploy.sh",
         (),
         {"CLOUD": "aks", "GPU": "1"},
-        [f"rendered deploy/aks/gpu with image {ACR}:0123abcd-cuda"],
+        [
+            "az acr repository show --name testacr --image lmops:0123abcd-cuda",
+            f"rendered deploy/aks/gpu with image {ACR}@{DRY_DIGEST}",
+        ],
     ),
-    ("deploy.sh", (), {"CLOUD": "eks"}, [f"rendered deploy/eks with image {ECR}:0123abcd", EKS_LOGIN]),
+    (
+        "deploy.sh",
+        (),
+        {"CLOUD": "eks"},
+        [
+            "aws ecr describe-images --region eu-west-1 --repository-name lmops --image-ids imageTag=0123abcd",
+            f"rendered deploy/eks with image {ECR}@{DRY_DIGEST}",
+            EKS_LOGIN,
+        ],
+    ),
     (
         "deploy.sh",
         (),
         {"CLOUD": "eks", "GPU": "1", "LMOPS_API_KEY": ""},
         [
-            f"rendered deploy/eks/gpu with image {ECR}:0123abcd-cuda",
+            "aws ecr describe-images --region eu-west-1 --repository-name lmops --image-ids imageTag=0123abcd-cuda",
+            f"rendered deploy/eks/gpu with image {ECR}@{DRY_DIGEST}",
             "kubectl --namespace lmops get secret lmops-api-key",
         ],
     ),
@@ -103,7 +119,8 @@ DRY_RUNS = [
         (),
         {"CLOUD": "aks", "CANARY": "true"},
         [
-            f"rendered deploy/aks/canary with image {ACR}:0123abcd",
+            "az acr repository show --name testacr --image lmops:0123abcd",
+            f"rendered deploy/aks/canary with image {ACR}@{DRY_DIGEST}",
             "kubectl apply --filename",
             "kubectl --namespace lmops get rollout lmops --output",
             "kubectl --namespace lmops delete deployment lmops --ignore-not-found",
@@ -113,7 +130,11 @@ DRY_RUNS = [
         "deploy.sh",
         (),
         {"CLOUD": "eks", "CANARY": "1", "GPU": "1"},
-        [f"rendered deploy/eks/canary/gpu with image {ECR}:0123abcd-cuda", "get rollout lmops"],
+        [
+            "aws ecr describe-images --region eu-west-1 --repository-name lmops --image-ids imageTag=0123abcd-cuda",
+            f"rendered deploy/eks/canary/gpu with image {ECR}@{DRY_DIGEST}",
+            "get rollout lmops",
+        ],
     ),
     (
         "kubeflow.sh",
@@ -167,7 +188,8 @@ DRY_RUNS = [
             AKS_LOGIN,
             "kubectl --namespace lmops get service lmops",
             "http://LOADBALANCER:5001/health",
-            "Authorization:\\ Bearer\\ ***",
+            "--header @/",  # the bearer token from a file, not argv
+            "/auth-header",
             "http://LOADBALANCER:5001/v1/completions",
         ],
     ),
@@ -236,6 +258,7 @@ def test_dry_run_also_from_the_environment(tmp_path, kubectl):
     [
         ("deploy.sh", {"CLOUD": "kubeflow"}, "CLOUD must be aks or eks"),
         ("deploy.sh", {"CLOUD": "aks", "ACR_NAME": ""}, "set ACR_NAME"),
+        ("deploy.sh", {"CLOUD": "aks", "IMAGE": "x.io/lmops:1"}, "IMAGE must name a digest"),
         ("push_image.sh", {"CLOUD": "gcp"}, "CLOUD must be aks, eks or kubeflow"),
         ("smoke_test.sh", {"CLOUD": "kubeflow", "KUBECONFIG": ""}, "set KUBECONFIG"),
     ],
@@ -257,12 +280,15 @@ def test_failed_rollout_is_rolled_back(tmp_path, kubectl):
     assert [c.split()[:2] for c in calls] == [
         ["az", "login"],
         ["az", "aks"],
+        ["az", "acr"],  # the pushed tag's digest, which the manifests pin
         ["kubectl", "apply"],
         ["kubectl", "--namespace"],
         ["kubectl", "--namespace"],
         ["kubectl", "--namespace"],
     ]
-    assert "rollout undo deployment/lmops" in calls[4] and "rolling back" in proc.stderr
+    assert "rollout undo deployment/lmops" in calls[5] and "rolling back" in proc.stderr
+    assert f"rendered deploy/aks with image {ACR}@sha256:{'e' * 64}" in proc.stderr  # the registry's digest
+    assert SECRETS["AZURE_CLIENT_SECRET"] not in log.read_text()  # argv is visible in `ps`
 
 
 def test_scripts_pass_shellcheck():

@@ -142,6 +142,22 @@ def test_invalid_values_are_400_naming_the_field(client, body, param):
     assert_error(completion(client, **body), 400, "invalid_value", param)
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": [5, -1]}, "prompt.1: Input should be greater than or equal to 0"),
+        ({"prompt": [[5], [10**6]]}, "prompt.1.0: Input should be less than or equal to"),
+        ({"stop": ["x"] * 10_000}, "stop: List should have at most 8 items"),
+        ({"stop": "x" * 300}, "stop: String should have at most 256 characters"),
+        ({"prompt": ["a", 3]}, "prompt.1: Input should be a valid string"),
+    ],
+)
+def test_the_message_names_what_is_wrong_in_a_union(client, body, message):
+    """`prompt` and `stop` take several shapes; the message used to be the first shape's
+    complaint ("Input should be a valid string" for token id -1 or 10,000 stop strings)."""
+    assert assert_error(completion(client, **body), 400, "invalid_value")["message"].startswith(message)
+
+
 def test_missing_prompt_and_non_object_bodies(client):
     assert_error(client.post("/v1/completions", json={"max_tokens": 3}), 400, param="prompt")
     assert_error(client.post("/v1/completions", json=[1, 2]), 400, "invalid_value")
@@ -244,8 +260,8 @@ def test_reference_gauge_from_lmops_json_and_warning_without(model_dir, tmp_path
 def test_api_key_is_required_and_compared_in_constant_time(model_dir, monkeypatch):
     client = create_app(ServiceConfig(model_dir=model_dir, api_key="s3cret"), start=False).test_client()
     calls = []
-    real = app_module.hmac.compare_digest
-    monkeypatch.setattr(app_module.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    real = settings_module.hmac.compare_digest
+    monkeypatch.setattr(settings_module.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
     r = completion(client)
     assert_error(r, 401, "invalid_api_key")
     assert r.headers["WWW-Authenticate"] == "Bearer"
@@ -259,8 +275,28 @@ def test_api_key_is_required_and_compared_in_constant_time(model_dir, monkeypatc
     )
     assert len(calls) == 2  # every bearer token went through compare_digest
     assert client.get("/health").status_code == 200
-    doc = client.get("/openapi.json").get_json()
-    assert doc["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
+    assert_error(client.get("/ready"), 503, "not_ready")  # open: answered, not refused
+    for path in ("/metrics", "/openapi.json", "/no/such/path"):  # everything else needs the key
+        assert_error(client.get(path), 401, "invalid_api_key")
+    doc = client.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).get_json()
+    for path, method in [("/v1/completions", "post"), ("/metrics", "get"), ("/openapi.json", "get")]:
+        assert doc["paths"][path][method]["security"] == [{"bearer": []}]
+    assert "security" not in doc["paths"]["/health"]["get"]
+    # the probe port's app: probes and metrics without a key, for kubelet and Prometheus
+    probe = app_module.probe_app(client.application).test_client()
+    assert probe.get("/metrics").status_code == 200 and probe.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("key", ["", "   ", "s3cret key", "clé-secrète"])
+def test_an_empty_blank_or_unsendable_api_key_refuses_to_start(key, monkeypatch):
+    """An empty Secret used to mean "no key" (pydantic-settings' env_ignore_empty), and a
+    key no client can send locked everyone out; both stop the server with one line."""
+    monkeypatch.setenv("LMOPS_API_KEY", key)
+    with pytest.raises(LmopsError, match="^LMOPS_API_KEY: (empty or blank|must be printable ASCII)") as err:
+        ServiceConfig.from_env()
+    assert "\n" not in str(err.value) and (not key.strip() or key not in str(err.value))
+    monkeypatch.delenv("LMOPS_API_KEY")
+    assert ServiceConfig.from_env().api_key is None
 
 
 def test_corrupt_model_fails_with_one_clear_error(model_dir, tmp_path):
@@ -291,6 +327,8 @@ def test_full_queue_is_429_then_shutdown_is_503(model_dir):
     r = completion(client)
     assert_error(r, 429, "queue_full")
     assert int(r.headers["Retry-After"]) >= 1 and time.monotonic() - started < 1
+    # refused before the body is read: a fast-retrying client costs next to nothing
+    assert_error(client.post("/v1/completions", data="{not json", content_type="application/json"), 429)
     running.cancel()
     waiting.cancel()
     runtime.shutdown(1)

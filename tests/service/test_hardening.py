@@ -109,16 +109,16 @@ def test_a_client_that_leaves_a_plain_request_aborts_it_within_a_second(slow_ser
         {**AUTH, "Content-Type": "application/json", "X-Request-ID": "left-plain"},
     )
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and metric(server.url, "lmops:num_requests_running") < 1:
+    while time.monotonic() < deadline and metric(server.probe_url, "lmops:num_requests_running") < 1:
         time.sleep(0.05)
-    assert metric(server.url, "lmops:num_requests_running") >= 1
+    assert metric(server.probe_url, "lmops:num_requests_running") >= 1
     conn.sock.close()  # the client goes away while it waits for the whole answer
     conn.close()
     left = time.monotonic()
-    while time.monotonic() - left < 10 and metric(server.url, "lmops:num_requests_running") > 0:
+    while time.monotonic() - left < 10 and metric(server.probe_url, "lmops:num_requests_running") > 0:
         time.sleep(0.05)
     assert time.monotonic() - left < 3  # aborted within the ~0.5 s poll, plus a busy machine's slack
-    assert metric(server.url, "lmops:kv_cache_usage_perc") == 0
+    assert metric(server.probe_url, "lmops:kv_cache_usage_perc") == 0
     while time.monotonic() - left < 10 and not any(
         r["request_id"] == "left-plain" for r in server.access_records()
     ):
@@ -135,7 +135,7 @@ def test_made_up_methods_do_not_grow_metrics(server):
         conn.request(f"MADEUP{i}", "/v1/completions", headers=AUTH)
         assert conn.getresponse().status == 405
         conn.close()
-    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    text = requests.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
     assert "MADEUP" not in text
     assert re.search(r'http_requests_total\{handler="unmatched",method="other",status="405"\} 30', text)
 
@@ -184,9 +184,12 @@ def test_probes_answer_while_slow_clients_hold_every_thread(model_dir, tmp_path)
             t.start()
         time.sleep(1)
         started = time.monotonic()
-        for path in ("/health", "/ready", "/metrics"):
+        for path in ("/health", "/metrics"):
             assert requests.get(f"{server.probe_url}{path}", timeout=2).status_code == 200
         assert time.monotonic() - started < 2
+        # every request thread is taken: the API cannot take a request, and readiness says so
+        r = requests.get(f"{server.probe_url}/ready", timeout=5)
+        assert r.status_code == 503 and "API port" in r.json()["error"]["message"]
         assert requests.get(f"{server.probe_url}/v1/models", timeout=2).status_code == 404  # probes only
         # Every slow connection is cut once the head deadline passes, freeing the threads.
         for sock in slow:
@@ -199,6 +202,137 @@ def test_probes_answer_while_slow_clients_hold_every_thread(model_dir, tmp_path)
         assert time.monotonic() - started < header_timeout + 10
         stop.set()
         assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
+        assert requests.get(f"{server.probe_url}/ready", timeout=5).status_code == 200
     finally:
         stop.set()
+        server.stop()
+
+
+def test_slow_bodies_get_408_without_holding_threads_and_ready_tells_the_truth(model_dir, tmp_path):
+    """Clients that send a whole head and then trickle the body (twice as many as there are
+    request threads) used to hold every thread while the probe port said ready. A
+    Content-Length body is now gathered off the threads: /v1/models keeps answering and
+    the probe's /ready stays 200, and at the deadline each slow client gets a 408. Chunked
+    bodies are read on a thread: when they do take every thread, /ready on the probe port
+    turns 503 until the deadline frees them."""
+    threads, body_timeout = 2, 4
+    server = start_server(
+        model_dir, tmp_path / "bodies.log", LMOPS_THREADS=str(threads), LMOPS_BODY_TIMEOUT=str(body_timeout)
+    )
+    url = urlparse(server.url)
+    stop = threading.Event()
+
+    def slow_client(head: bytes, piece: bytes, answers: list) -> None:
+        with socket.create_connection((url.hostname, url.port)) as sock:
+            sock.settimeout(body_timeout + 10)
+            try:
+                sock.sendall(head)
+                while not stop.wait(0.3):
+                    sock.sendall(piece)
+            except OSError:  # the server answered and closed: what we wait for
+                pass
+            data = b""
+            while chunk := sock.recv(4096):
+                data += chunk
+            answers.append(data)
+
+    def start(head: bytes, piece: bytes, n: int) -> tuple[list, list[threading.Thread]]:
+        answers: list = []
+        clients = [
+            threading.Thread(target=slow_client, args=(head, piece, answers), daemon=True) for _ in range(n)
+        ]
+        for t in clients:
+            t.start()
+        return answers, clients
+
+    def assert_408(answers: list, n: int) -> None:
+        assert len(answers) == n
+        for data in answers:
+            head, _, body = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408"), data[:200]
+            error = json.loads(body)["error"]
+            assert error["code"] == "request_timeout" and "LMOPS_BODY_TIMEOUT" in error["message"]
+
+    try:
+        post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        answers, clients = start(post + b"Content-Length: 100\r\n\r\n{", b" ", 2 * threads)
+        began = time.monotonic()
+        while time.monotonic() - began < body_timeout - 1:
+            started = time.monotonic()
+            assert requests.get(f"{server.url}/v1/models", timeout=2).status_code == 200
+            assert time.monotonic() - started < 2
+            assert requests.get(f"{server.probe_url}/ready", timeout=5).status_code == 200
+            time.sleep(0.2)
+        for t in clients:
+            t.join(body_timeout + 10)
+        assert_408(answers, 2 * threads)
+
+        answers, clients = start(post + b"Transfer-Encoding: chunked\r\n\r\n", b"1\r\n \r\n", threads)
+        time.sleep(0.5)
+        r = requests.get(f"{server.probe_url}/ready", timeout=5)
+        assert r.status_code == 503 and "API port" in r.json()["error"]["message"]
+        for t in clients:
+            t.join(body_timeout + 10)
+        assert_408(answers, threads)
+        assert requests.get(f"{server.probe_url}/ready", timeout=5).status_code == 200
+        r = requests.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 200  # a normal body still gets through
+    finally:
+        stop.set()
+        server.stop()
+
+
+def test_a_full_queue_answers_429_cheaply_on_a_kept_alive_connection(model_dir, tmp_path):
+    """Clients retrying a 429 every 50 ms cut served throughput 3.5x: the worker now answers
+    them itself (benchmarks/retry429.py measures the cost); here, that the answer is right:
+    the error shape, Retry-After, keep-alive, the key still checked first, /metrics counts."""
+    server = start_server(
+        model_dir,
+        tmp_path / "full.log",
+        LMOPS_API_KEY="test-key",
+        LMOPS_MAX_NUM_SEQS="1",
+        LMOPS_MAX_QUEUED="1",
+        LMOPS_FAULT_STEP_DELAY="0.02",
+    )
+    url = urlparse(server.url)
+    long = json.dumps({"prompt": "ROMEO: ", "max_tokens": 200, "ignore_eos": True})
+    headers = {**AUTH, "Content-Type": "application/json"}
+    busy = [http.client.HTTPConnection(url.hostname, url.port, timeout=30) for _ in range(2)]
+    try:
+        for conn, gauge in zip(busy, ("running", "waiting"), strict=True):  # then the queue is full
+            conn.request("POST", "/v1/completions", long, headers)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and metric(server.probe_url, f"lmops:num_requests_{gauge}") < 1:
+                time.sleep(0.05)
+            assert metric(server.probe_url, f"lmops:num_requests_{gauge}") == 1
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+        for path in ("/v1/completions", "/predict", "/v1/completions"):  # one connection throughout
+            conn.request("POST", path, json.dumps({"prompt": "a"}), headers)
+            r = conn.getresponse()
+            body = json.loads(r.read())
+            assert (r.status, r.getheader("Retry-After"), r.getheader("Content-Type")) == (
+                429,
+                "1",
+                "application/json",
+            )
+            assert body["error"]["code"] == "queue_full" and body["error"]["type"] == "rate_limit_error"
+        conn.request("POST", "/v1/completions", "{}", {"Authorization": "Bearer wrong"})
+        r = conn.getresponse()
+        assert r.status == 401 and json.loads(r.read())["error"]["code"] == "invalid_api_key"
+        conn.close()
+        assert (
+            metric(
+                server.probe_url, 'http_requests_total{handler="/v1/completions",method="POST",status="429"}'
+            )
+            == 2
+        )
+        assert (
+            metric(server.probe_url, 'http_requests_total{handler="/predict",method="POST",status="429"}')
+            == 1
+        )
+        for conn in busy:
+            assert conn.getresponse().status == 200
+    finally:
+        for conn in busy:
+            conn.close()
         server.stop()

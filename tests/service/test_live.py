@@ -35,7 +35,7 @@ def oai(server):
 
 
 def metric(server, name: str) -> float:
-    text = requests.get(f"{server.url}/metrics", timeout=5).text
+    text = requests.get(f"{server.probe_url}/metrics", timeout=5).text  # the API port wants the key
     return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
 
 
@@ -88,7 +88,7 @@ def test_openai_client_plain_stream_n_and_stop(oai):
 def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(server):
     aborted_before = (
         metric(server, 'lmops:request_success_total{finished_reason="abort"}')
-        if "abort" in requests.get(f"{server.url}/metrics").text
+        if "abort" in requests.get(f"{server.probe_url}/metrics").text
         else 0.0
     )
     url = urlparse(server.url)

@@ -46,13 +46,60 @@ def registry(model_dir, tmp_path, monkeypatch) -> str:
 
 
 def test_registry_alias_resolves_to_the_model_directory(registry, tmp_path):
-    info = resolve_model(tmp_path / "unused", "models:/lmops@champion")
+    cache = tmp_path / "cache"
+    info = resolve_model(tmp_path / "unused", "models:/lmops@champion", cache)
     assert (info.path / "config.json").is_file() and (info.path / "model.safetensors").is_file()
     assert (info.name, info.version, info.run_id) == ("lmops", "1", registry)
     assert info.source == "models:/lmops@champion"
-    assert resolve_model(tmp_path, "models:/lmops/1").version == "1"
+    assert resolve_model(tmp_path, "models:/lmops/1", cache).version == "1"
     with pytest.raises(LmopsError, match="models:/lmops@nope"):
-        resolve_model(tmp_path, "models:/lmops@nope")
+        resolve_model(tmp_path, "models:/lmops@nope", cache)
+
+
+def test_downloads_are_cached_by_version_reused_pruned_and_atomic(registry, tmp_path, monkeypatch):
+    """Every worker boot used to download a fresh copy into /tmp and never remove it (the
+    fifth restart hit ENOSPC). Now: one directory per version, reused, the rest pruned."""
+    import mlflow
+
+    from production_service import model_source
+
+    cache = tmp_path / "cache"
+    (cache / "lmops-v0").mkdir(parents=True)  # an older version
+    (cache / ".lmops-v1.x1y2.tmp").mkdir()  # a download killed midway
+    info = resolve_model(tmp_path, "models:/lmops@champion", cache)
+    assert info.path == cache / "lmops-v1"
+    assert sorted(p.name for p in cache.iterdir()) == [".lock", "lmops-v1"]
+
+    real_download = model_source.download
+
+    def no_download(uri, dst):
+        raise AssertionError("downloaded again")
+
+    monkeypatch.setattr(model_source, "download", no_download)
+    assert resolve_model(tmp_path, "models:/lmops@champion", cache).path == info.path  # a restart: reused
+
+    client = mlflow.MlflowClient()
+    source = client.get_model_version("lmops", "1").source
+    client.create_model_version("lmops", source, run_id=registry)
+    client.set_registered_model_alias("lmops", "champion", "2")
+
+    def killed(uri, dst):  # a download that dies after writing part of the model
+        (real_download(uri, dst) / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_source, "download", killed)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(tmp_path, "models:/lmops@champion", cache)
+    assert sorted(p.name for p in cache.iterdir()) == [".lock", "lmops-v1"]  # nothing looks like v2
+
+    monkeypatch.setattr(model_source, "download", real_download)
+    v2 = resolve_model(tmp_path, "models:/lmops@champion", cache)
+    assert (v2.path, v2.version) == (cache / "lmops-v2", "2")
+    assert sorted(p.name for p in cache.iterdir()) == [".lock", "lmops-v2"]  # the current one stays
+
+    (v2.path / "model.safetensors").write_bytes(b"\xff" * 64)  # damaged on disk: fetched again
+    assert resolve_model(tmp_path, "models:/lmops@champion", cache).path == v2.path
+    assert (v2.path / "model.safetensors").read_bytes() != b"\xff" * 64
 
 
 @pytest.mark.parametrize(
@@ -88,7 +135,7 @@ def test_a_registry_download_imports_no_pipeline_code(registry, tmp_path):
     probe = (
         "import json, sys; from pathlib import Path; import production_service.app; "
         "from production_service.model_source import resolve_model; "
-        "info = resolve_model(Path('unused'), 'models:/lmops@champion'); "
+        "info = resolve_model(Path('unused'), 'models:/lmops@champion', Path('cache')); "
         "print(json.dumps([info.version, sorted(sys.modules)]))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path)

@@ -4,7 +4,11 @@ generation defaults every door samples with, verification at load, export."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,12 +18,16 @@ from lmops.errors import LmopsError
 from lmops.runtime.engine import LLMEngine, SamplingParams
 from lmops.runtime.model import Llama
 from lmops.runtime.model_dir import (
+    CURRENT,
     GENERATION_DEFAULTS,
     META_FILE,
+    MODEL_FILES,
+    current,
     export,
     read_meta,
     require_meta,
     sampling_defaults,
+    tidy,
     verify,
     weights_digest,
 )
@@ -126,6 +134,69 @@ def test_export_merges_facts_and_keeps_a_plain_directory_servable(model_dir, tmp
     with pytest.raises(LmopsError, match="invalid model_version"):
         export(model_dir, tmp_path / "bad", model_version="three")
     assert not (tmp_path / "bad").exists()
+
+
+EXPORT_STEPS = ("export.staged", "export.version_in_place", "export.flipped")
+
+
+def export_killed_at(point: str, source, target, version: int) -> None:
+    """`export` in a child process SIGKILLed at `point` (lmops.crash_points)."""
+    code = (
+        "import sys; from pathlib import Path; from lmops.runtime.model_dir import export; "
+        "export(Path(sys.argv[1]), Path(sys.argv[2]), model_version=int(sys.argv[3]))"
+    )
+    env = {**os.environ, "LMOPS_TEST_SIGKILL_AT": point}
+    proc = subprocess.run([sys.executable, "-c", code, str(source), str(target), str(version)], env=env)
+    assert proc.returncode == -9, f"not killed at {point}"
+
+
+def exported(target) -> tuple[int, list[str]]:
+    """The version a reader gets (checked whole, as the service checks it at load), and
+    the names in the export."""
+    meta = verify(current(target))
+    assert verify(target) == meta  # the top-level names show the same version
+    return meta.model_version, sorted(p.name for p in target.iterdir())
+
+
+@pytest.mark.parametrize("point", EXPORT_STEPS)
+def test_an_export_killed_at_any_step_leaves_a_whole_model_and_the_next_one_tidies(
+    model_dir, tmp_path, point
+):
+    """A bind mount (docker-compose's) holds the directory's inode: the export must never
+    replace it (atomic.directory's rename swap left the mount on the deleted copy), and a
+    promote killed midway must leave a servable model and no orphan copy."""
+    served = tmp_path / "production_service" / "model"
+    export(model_dir, served, model_version=1)
+    (served.parent / ".model.4242.abcd1234.tmp").mkdir()  # what a killed pre-versioned export left
+    inode, fd = served.stat().st_ino, os.open(served, os.O_RDONLY)  # what a bind mount pins
+    try:
+        export_killed_at(point, model_dir, served, 2)
+        version, names = exported(served)
+        assert version == (1 if point != "export.flipped" else 2)
+        if point == "export.flipped":
+            assert json.loads(Path(f"/proc/self/fd/{fd}/{META_FILE}").read_text())["model_version"] == 2
+        export(model_dir, served, model_version=2)  # what `lmops promote`'s reconciliation does next
+        version, names = exported(served)
+        assert version == 2 and served.stat().st_ino == inode
+        assert json.loads(Path(f"/proc/self/fd/{fd}/{META_FILE}").read_text())["model_version"] == 2
+    finally:
+        os.close(fd)
+    [live] = [n for n in names if n.startswith(".v-")]
+    assert names == sorted([CURRENT, live, META_FILE, *MODEL_FILES])  # one version, no leftovers
+    assert all(os.readlink(served / n) == f"{CURRENT}/{n}" for n in (META_FILE, *MODEL_FILES))
+    assert sorted(p.name for p in served.parent.iterdir()) == ["model"]
+
+
+def test_tidy_finishes_a_flip_and_drops_what_the_new_version_lacks(model_dir, tmp_path):
+    """A plain directory becomes an export in place, and a promote that died after the flip
+    (the links not yet made) is finished by the next `lmops promote` (tidy), not redone."""
+    served = shutil.copytree(model_dir, tmp_path / "model")
+    (served / "notes.txt").write_text("an old export's extra file")
+    export_killed_at("export.flipped", model_dir, served, 5)
+    tidy(served)
+    version, names = exported(served)
+    assert version == 5 and "notes.txt" not in names and len([n for n in names if n.startswith(".v-")]) == 1
+    assert all((served / n).is_symlink() for n in MODEL_FILES)
 
 
 def test_a_plain_transformers_directory_serves(model_dir, tmp_path):

@@ -7,9 +7,10 @@ re-evaluated on the current split first. The winner is exported atomically
 to production_service/model; the decision goes to artifacts/promotion.json.
 
 Recoverable: moving the alias and exporting are two steps, and a process can
-die between them. The export's lmops.json names the registry version it holds,
-so every promote first reconciles it with @champion (re-exporting when they
-differ) and exports a new champion through the same reconciliation.
+die between them, or inside the export. The export's lmops.json names the registry
+version it holds, so every promote first tidies what a killed export left and
+reconciles it with @champion (re-exporting when they differ), and exports a new
+champion through the same reconciliation.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from lmops.pipeline import tracking
 from lmops.pipeline.evaluate import evaluate_dir, read_test_split
 from lmops.pipeline.params import Params, PromoteConfig
 from lmops.pipeline.paths import METRICS_FILE, MODEL_DIR, PROMOTION_FILE
-from lmops.runtime.model_dir import download, export, read_meta, require_meta
+from lmops.runtime.model_dir import download, export, read_meta, require_meta, tidy
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,12 @@ def reconcile(cfg: PromoteConfig, model_dir: Path, just_promoted: bool = False) 
     The champion's files come from `model_dir` when that is the champion's run
     (the usual promotion), otherwise from the registry.
     """
+    export_dir = Path(cfg.export_dir)
+    if export_dir.is_dir():
+        tidy(export_dir)  # whatever step an export was killed at
     champion = tracking.champion_version(cfg.model_name, cfg.alias)
     if champion is None:
         return
-    export_dir = Path(cfg.export_dir)
     held = exported_version(export_dir)
     if held == (cfg.model_name, str(champion.version)):
         return

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lmops import atomic
+from lmops import atomic, crash_points
 from lmops.errors import LmopsError
 
 if TYPE_CHECKING:
@@ -34,6 +36,10 @@ GENERATION_FILE = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 META_FILE = "lmops.json"
 MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE, *TOKENIZER_FILES)
+# An export (production_service/model) holds versions `.v-<hex>/` and the link `.current`
+# to the one it serves (see `export`).
+CURRENT = ".current"
+VERSION_PREFIX = ".v-"
 
 # How a model samples by default, defined once and written into generation_config.json,
 # where HF runtimes read it too. `lmops generate`, evaluate's samples, the MLflow pyfunc and
@@ -218,14 +224,22 @@ def write_model_dir(model: Llama, tokenizer_dir: Path, directory: Path, meta: Mo
 
 
 def export(source: Path, target: Path, **facts) -> ModelMeta:
-    """Copy the model directory `source` to `target` atomically, `facts` (registry name,
+    """Copy the model directory `source` into the export `target`, `facts` (registry name,
     version, metrics, ...) merged into its lmops.json; a plain HF directory gets one.
+
+    `target` itself is never replaced, so a bind mount of it (docker-compose's) keeps
+    seeing every export. The files go to a new hidden version directory inside it,
+    `.v-<hex>`, and the symlink `.current` is flipped to it in one rename; the
+    top-level names (`config.json`, ...) are fixed links to `.current/<name>`, so HF
+    readers see the layout unchanged and the service reads one version through
+    `current()`. A process killed at any step leaves `.current` naming a complete
+    version; the next export or `lmops promote` tidies the rest (`tidy`).
 
     Contents only (`copyfile`, not `copytree`'s copy of modes): the export gets the
     ordinary modes of the umask even when the source (a private temporary download,
     an older export) is 0600/0700, so a container user can read a baked-in model.
     """
-    meta = verify(source) or ModelMeta()
+    meta = verify(current(source)) or ModelMeta()
     if "metrics" in facts:
         facts["metrics"] = {**meta.metrics, **facts["metrics"]}
     raw = {**meta.model_dump(), **facts}
@@ -233,14 +247,67 @@ def export(source: Path, target: Path, **facts) -> ModelMeta:
         merged = ModelMeta.model_validate(raw)
     except ValidationError as exc:
         raise LmopsError(f"cannot export {source} to {target}: {meta_problem(exc, raw)}") from None
-    with atomic.directory(target) as tmp:
-        for src in source.iterdir():
-            if src.is_file() and src.name != META_FILE:
-                shutil.copyfile(src, tmp / src.name)
-        if not merged.weights_sha256:
-            merged = merged.model_copy(update={"weights_sha256": weights_digest(tmp)})
-        write_meta(tmp, merged)
+    target.mkdir(parents=True, exist_ok=True)
+    tidy(target)
+    staging = target / f".staging.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    staging.mkdir()  # mode 0o777 minus the umask
+    for src in current(source).iterdir():
+        if src.is_file() and src.name != META_FILE:
+            shutil.copyfile(src, staging / src.name)
+    if not merged.weights_sha256:
+        merged = merged.model_copy(update={"weights_sha256": weights_digest(staging)})
+    write_meta(staging, merged)
+    crash_points.reached("export.staged")
+    version = target / f".v-{secrets.token_hex(6)}"
+    os.rename(staging, version)
+    crash_points.reached("export.version_in_place")
+    _link(target / CURRENT, version.name)
+    crash_points.reached("export.flipped")
+    tidy(target)
     return merged
+
+
+def current(directory: str | Path) -> Path:
+    """Where to read a model from: in an export, the version `.current` names, resolved
+    once, so a reader never mixes two versions' files; any other directory as it is."""
+    link = Path(directory) / CURRENT
+    return link.resolve() if link.is_symlink() else Path(directory)
+
+
+def tidy(target: Path) -> None:
+    """Finish what an export killed midway left in `target`: link every file of the
+    current version at the top level, and remove everything else (staging and
+    superseded version directories, names the current version lacks, and
+    atomic.directory's leftovers beside `target` from before the versioned layout)."""
+    link = target / CURRENT
+    live = os.readlink(link) if link.is_symlink() else None
+    for entry in target.iterdir():
+        leftover = entry.name.endswith(".tmp") or entry.name.startswith(VERSION_PREFIX)
+        stale = live is not None and not entry.name.startswith(".") and not (link / entry.name).is_file()
+        if entry.name not in (CURRENT, live) and (leftover or stale):
+            _remove(entry)
+    if live is not None and link.is_dir():
+        for src in link.iterdir():
+            name, want = target / src.name, f"{CURRENT}/{src.name}"
+            if not (name.is_symlink() and os.readlink(name) == want):
+                _link(name, want)
+    for leftover in target.parent.glob(f".{target.name}.*"):
+        if leftover.name.endswith(".tmp") or leftover.name == f".{target.name}.old":
+            _remove(leftover)
+
+
+def _link(path: Path, to: str) -> None:
+    """Point `path` at `to` in one rename (readers see the old link or the new one)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    os.symlink(to, tmp)
+    os.replace(tmp, path)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def download(model_uri: str, dst: Path) -> Path:
