@@ -149,17 +149,18 @@ def _completions():
     runtime, stats = _runtime(), g.stats
     body = _validated(0)
     jobs = completions.submit(runtime, body, stats)
-    completion_id = f"cmpl-{stats.request_id}"
+    return _answer(completions.TextFormat(runtime, body, f"cmpl-{stats.request_id}"), jobs, body, stats)
+
+
+def _answer(fmt, jobs, body, stats):
+    """The jobs' answer in `fmt`: server-sent events with `stream`, else one body."""
     if body.stream:
         return Response(
-            completions.stream_events(runtime, jobs, body, stats, completion_id),
+            completions.stream_events(fmt, jobs, body, stats),
             mimetype="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    done = completions.complete(
-        runtime, jobs, stats, completion_id, _client_gone(), n=body.n or 1, echo=bool(body.echo)
-    )
-    return _json(done)
+    return _json(completions.complete(fmt, jobs, stats, _client_gone(), n=body.n or 1))
 
 
 @api.post("/predict", endpoint="predict")
@@ -167,7 +168,8 @@ def _predict():
     runtime, stats = _runtime(), g.stats
     body = _validated(1)
     jobs = completions.submit(runtime, body, stats)
-    done = completions.complete(runtime, jobs, stats, f"cmpl-{stats.request_id}", _client_gone())
+    fmt = completions.TextFormat(runtime, body, f"cmpl-{stats.request_id}")
+    done = completions.complete(fmt, jobs, stats, _client_gone())
     [choice] = done.choices
     return _json(
         Prediction(

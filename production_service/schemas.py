@@ -78,7 +78,8 @@ def _sampling(field: str, description: str | None = None, cap: float | None = No
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="A last event with the usage and no choices.")
+    continuous_usage_stats: bool = Field(False, description="The usage so far in every event (vLLM extra).")
 
 
 @functools.lru_cache(maxsize=4)
@@ -111,7 +112,12 @@ def request_models(limits: Limits) -> tuple[type[_Request], type[_Request]]:
             | Annotated[list[token_ids], Field(min_length=1, max_length=MAX_PROMPTS)]
         ) = Field(description="A string, strings, token ids, or lists of token ids.")
         n: _sampling("n", cap=min(MAX_N, limits.max_num_seqs)) = None
-        logprobs: _sampling("logprobs", "Top log-probabilities per generated token.") = None
+        logprobs: _sampling(
+            "logprobs", "Top log-probabilities per generated token; with echo, per prompt token too."
+        ) = None
+        prompt_logprobs: _sampling(
+            "prompt_logprobs", "Log-probs of the prompt's tokens and this many alternatives (vLLM extra)."
+        ) = None
         presence_penalty: _sampling("presence_penalty") = None
         frequency_penalty: _sampling("frequency_penalty") = None
         repetition_penalty: _sampling("repetition_penalty", "vLLM extra. Default 1.") = None
@@ -154,10 +160,18 @@ def validate(model: type[_Request], body: object) -> _Request:
 
 
 class Logprobs(BaseModel):
+    """OpenAI's legacy shape; with echo the prompt's tokens come first, the first one's null."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class Choice(BaseModel):
@@ -165,6 +179,9 @@ class Choice(BaseModel):
     text: str
     logprobs: Logprobs | None
     finish_reason: FinishReason | None = Field(description="null until a streamed choice's last chunk")
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="With prompt_logprobs (vLLM's shape): per prompt token, by token id."
+    )
 
 
 class Usage(BaseModel):

@@ -59,7 +59,7 @@ def test_max_tokens_is_clipped_to_the_context(engine):
 
 def test_abort_frees_every_block(model_dir, prompts, all_blocks_free):
     per_block = KVPool.bytes_per_block(
-        LLMEngine.from_pretrained(model_dir, device="cpu").config, 16, torch.float32
+        LLMEngine.from_pretrained(model_dir, device="cpu").model_config, 16, torch.float32
     )
     engine = LLMEngine.from_pretrained(
         model_dir, device="cpu", block_size=16, kv_cache_memory=24 * per_block, max_num_batched_tokens=64

@@ -64,12 +64,13 @@ RANGES = {
     "presence_penalty": Range(-2, 2),
     "frequency_penalty": Range(-2, 2),
     "repetition_penalty": Range(0, 2, lo_open=True),
-    "max_tokens": Range(1, integer=True),
+    "max_tokens": Range(0, integer=True, text="an integer >= 0 (0: only the prompt's log-probs)"),
     "seed": Range(-SEED_BOUND, SEED_BOUND - 1, integer=True, text="a 64-bit signed integer"),
     "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS, integer=True),
 }
 # None means: up to the context (max_tokens), no seed (a fresh draw), no log-probs.
-OPTIONAL = {"max_tokens", "seed", "logprobs"}
+OPTIONAL = {"max_tokens", "seed", "logprobs", "prompt_logprobs"}
 
 
 @dataclass
@@ -87,6 +88,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    # Log-probs of the prompt's tokens (each with its rank and this many top alternatives),
+    # computed in the prefill; such a prompt is prefilled whole, not from the prefix cache.
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
