@@ -48,8 +48,6 @@ _SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "seed",
-    "logprobs",
-    "prompt_logprobs",
     "ignore_eos",
 )
 
@@ -73,11 +71,25 @@ def check_prompt_size(body: object, limits: Limits) -> None:
     truncate = body.get("truncate_prompt_tokens") is not None
     if isinstance(prompt, list) and len(prompt) > max(limits.max_prompt_tokens, MAX_PROMPTS):
         raise _too_long(f"prompt has {len(prompt)} items", limits)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        chars = sum(_chars(m.get("content")) for m in messages if isinstance(m, dict))
+        if chars > limits.max_prompt_chars:
+            raise _too_long(f"the messages have {chars} characters, so more tokens than fit", limits)
     for p in prompt if isinstance(prompt, list) else [prompt]:
         if isinstance(p, list) and len(p) > limits.max_prompt_tokens:
             raise _too_long(f"a prompt has {len(p)} token ids", limits)
         if isinstance(p, str) and len(p) > limits.max_prompt_chars and not truncate:
             raise _too_long(f"a prompt has {len(p)} characters, so more tokens than fit", limits)
+
+
+def _chars(content: object) -> int:
+    """Characters of a chat message's content: a string, or text parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 def _too_long(what: str, limits: Limits) -> APIError:
@@ -90,10 +102,12 @@ def _too_long(what: str, limits: Limits) -> APIError:
     )
 
 
-def encode_prompts(tokenizer, prompt, truncate: int | None, limits: Limits) -> list[tuple[str, list[int]]]:
+def encode_prompts(runtime, body) -> list[tuple[str, list[int]]]:
     """(text, token ids) per prompt, tokenized as the engine does, left-truncated only
     when `truncate_prompt_tokens` asks for it. A text to truncate is tokenized from a
     tail twice as long as any prompt can be, so a huge one costs no more than a long one."""
+    tokenizer, limits, prompt = runtime.engine.tokenizer, runtime.limits, body.prompt
+    truncate = getattr(body, "truncate_prompt_tokens", None)
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
     out = []
@@ -116,8 +130,7 @@ def sampling_params(body, generation: dict) -> SamplingParams:
     generation_config.json and LMOPS_GENERATION_CONFIG). The engine caps max_tokens at the
     room the context leaves after the prompt."""
     kwargs = {k: getattr(body, k) for k in _SAMPLING_FIELDS if getattr(body, k, None) is not None}
-    if getattr(body, "echo", False) and body.logprobs is not None:  # the echoed prompt's log-probs too
-        kwargs["prompt_logprobs"] = max(body.logprobs, kwargs.get("prompt_logprobs", 0))
+    kwargs.update((k, v) for k, v in body.sampling_fields().items() if v is not None)
     try:
         return SamplingParams.from_generation_config(generation, **kwargs)
     except ValueError as exc:
@@ -125,11 +138,9 @@ def sampling_params(body, generation: dict) -> SamplingParams:
         raise APIError(400, str(exc), code="invalid_value", param=param) from None
 
 
-def submit(runtime, body, stats: RequestStats) -> list[Job]:
-    """Submit every prompt, or none: a failure cancels what was already submitted."""
+def submit(runtime, body, stats: RequestStats, prompts: list[tuple[str, list[int]]]) -> list[Job]:
+    """Submit every (text, token ids) prompt, or none: a failure cancels what was already submitted."""
     params = sampling_params(body, runtime.generation_config)
-    truncate = getattr(body, "truncate_prompt_tokens", None)
-    prompts = encode_prompts(runtime.engine.tokenizer, body.prompt, truncate, runtime.limits)
     jobs: list[Job] = []
     try:
         for text, ids in prompts:
