@@ -33,6 +33,7 @@ from production_service.schemas import (
     Prediction,
     Tokens,
     build_document,
+    check_fields,
     request_models,
     validate,
 )
@@ -134,6 +135,7 @@ def _validated(endpoint: str):
     body = _json_body(runtime.config.max_body_bytes)
     completions.check_prompt_size(body, runtime.limits)
     request_model = getattr(request_models(runtime.limits), endpoint)
+    check_fields(request_model, body)
     valid = validate(request_model, body)
     model = getattr(valid, "model", None)
     if model is not None and model != runtime.model.name:

@@ -49,6 +49,9 @@ _SAMPLING_FIELDS = (
     "stop_token_ids",
     "seed",
     "ignore_eos",
+    "min_tokens",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
 )
 
 
@@ -131,6 +134,8 @@ def sampling_params(body, generation: dict) -> SamplingParams:
     room the context leaves after the prompt."""
     kwargs = {k: getattr(body, k) for k in _SAMPLING_FIELDS if getattr(body, k, None) is not None}
     kwargs.update((k, v) for k, v in body.sampling_fields().items() if v is not None)
+    if getattr(body, "logit_bias", None):
+        kwargs["logit_bias"] = {int(t): b for t, b in body.logit_bias.items()}
     try:
         return SamplingParams.from_generation_config(generation, **kwargs)
     except ValueError as exc:

@@ -9,6 +9,7 @@ builds (and caches) the request models for them.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -150,6 +151,22 @@ def request_models(limits: Limits) -> RequestModels:
         stream: bool | None = Field(None, description="Server-sent events ending in `data: [DONE]`.")
         stream_options: StreamOptions | None = None
         user: str | None = Field(None, description="Accepted and ignored.")
+        min_tokens: _sampling(
+            "min_tokens", "No EOS, stop token or stop string before this many (vLLM extra).", ctx
+        ) = None
+        include_stop_str_in_output: bool | None = Field(
+            None, description="Keep the stop string (vLLM extra)."
+        )
+        skip_special_tokens: bool | None = Field(
+            None, description="Leave special tokens out of the text (vLLM extra; default true)."
+        )
+        logit_bias: (
+            dict[
+                Annotated[str, Field(pattern=r"^[0-9]+$")],
+                Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)],
+            ]
+            | None
+        ) = Field(None, description="Token id -> bias added to its logit.")
 
     class CompletionRequest(Generation):
         prompt: (
@@ -219,6 +236,17 @@ def request_models(limits: Limits) -> RequestModels:
     return RequestModels(
         CompletionRequest, PredictRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest
     )
+
+
+def check_fields(model: type[_Request], body: object) -> None:
+    """An unknown top-level field is a 400 naming it and the nearest known one."""
+    if not isinstance(body, dict):
+        return
+    for name in body:
+        if name not in model.model_fields:
+            near = difflib.get_close_matches(str(name), list(model.model_fields), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise APIError(400, f"{name}: unknown field{hint}", code="invalid_value", param=str(name))
 
 
 def validate(model: type[_Request], body: object) -> _Request:

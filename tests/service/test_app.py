@@ -400,3 +400,28 @@ def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
     monkeypatch.setattr(settings_module, "_ENGINE_FIELDS", settings_module._ENGINE_FIELDS[:-1])
     engine = ServiceConfig.from_env().engine
     assert engine.kv_cache_memory == 1000000 and engine.quantization == "int8"
+
+
+def test_vllm_sampling_extensions_are_honoured(client, app):
+    """min_tokens (stop tokens masked until then), include_stop_str_in_output,
+    skip_special_tokens, and OpenAI's logit_bias."""
+    tok = app.extensions["lmops"].engine.tokenizer
+    x = tok.encode("e", add_special_tokens=False).ids[0]
+    forced = {"temperature": 0, "max_tokens": 8, "logit_bias": {str(x): 100}}
+    r = completion(client, **forced, stop_token_ids=[x], min_tokens=3).get_json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 4
+    eos = {"temperature": 0, "max_tokens": 2, "ignore_eos": True, "logit_bias": {"2": 100}}
+    assert completion(client, **eos).get_json()["choices"][0]["text"] == ""
+    assert completion(client, **eos, skip_special_tokens=False).get_json()["choices"][0]["text"] == "</s></s>"
+    greedy = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    text = completion(client, **greedy).get_json()["choices"][0]["text"]
+    stop = text.strip()[2:4] or text[2:4]
+    kept = completion(client, **greedy, stop=[stop], include_stop_str_in_output=True).get_json()["choices"][0]
+    assert kept["finish_reason"] == "stop" and kept["text"] == text[: text.index(stop) + len(stop)]
+
+
+def test_unknown_field_names_the_nearest(client):
+    error = assert_error(completion(client, max_token=3), 400, "invalid_value", "max_token")
+    assert "did you mean 'max_tokens'" in error["message"]
+    error = assert_error(client.post("/v1/chat/completions", json={"mesages": []}), 400, param="mesages")
+    assert "did you mean 'messages'" in error["message"]

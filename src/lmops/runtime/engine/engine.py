@@ -190,7 +190,7 @@ class LLMEngine:
             next(self._seq_ids),
             req,
             0,
-            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens),
             self._generator(req.params.seed, 0),
         )
         seq.pending_forks = req.params.n - 1
@@ -279,7 +279,7 @@ class LLMEngine:
                     targets.append(child)
             if rows != list(range(len(ready))):
                 logits = logits[torch.tensor(rows, device=logits.device, dtype=torch.long)]
-            result = sample(logits, targets) if targets else None
+            result = sample(logits, targets, self.eos_token_ids) if targets else None
             t = now()
             counts: dict[str, int] = {}
             for k, seq in enumerate(targets):

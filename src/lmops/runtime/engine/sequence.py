@@ -31,15 +31,15 @@ class IncrementalDetokenizer:
     byte sequence) it waits for the next token. `flush` emits whatever is left.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
-        self.tok = tokenizer
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tok, self.skip = tokenizer, skip_special_tokens
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix = 0
         self.read = len(self.ids)
 
     def _window(self) -> tuple[str, str]:
-        done = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        full = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        done = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip)
+        full = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=self.skip)
         return done, full
 
     def add(self, token_id: int) -> str:
@@ -57,7 +57,13 @@ class IncrementalDetokenizer:
 
     def copy(self) -> IncrementalDetokenizer:
         new = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
-        new.tok, new.ids, new.prefix, new.read = self.tok, list(self.ids), self.prefix, self.read
+        new.tok, new.skip, new.ids, new.prefix, new.read = (
+            self.tok,
+            self.skip,
+            list(self.ids),
+            self.prefix,
+            self.read,
+        )
         return new
 
 
@@ -156,12 +162,13 @@ class Sequence:
         return child
 
     def append(self, token_id: int, logprob: dict | None, eos_ids: frozenset[int], max_tokens: int) -> None:
-        """Record a sampled token: text, stop strings, stop tokens, length limit."""
+        """Record a sampled token: text, stop strings, stop tokens (none before min_tokens), length limit."""
         p = self.params
         self.token_ids.append(token_id)
         if self.logprobs is not None:
             self.logprobs.append(logprob)
-        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in eos_ids):
+        may_stop = self.num_output_tokens >= p.min_tokens  # (the sampler also masks stop tokens until then)
+        if may_stop and (token_id in p.stop_token_ids or (not p.ignore_eos and token_id in eos_ids)):
             self.text += self.detok.flush()  # the stop token's own text is not part of the output
             self._finish("stop", token_id)
             return
@@ -169,10 +176,10 @@ class Sequence:
         self.text += self.detok.add(token_id)
         if self.num_output_tokens >= max_tokens:
             self.text += self.detok.flush()
-        for s in p.stop:
+        for s in p.stop if may_stop else ():
             at = self.text.find(s, max(0, start - len(s) + 1))
             if at >= 0:
-                self.text = self.text[:at]
+                self.text = self.text[: at + len(s) if p.include_stop_str_in_output else at]
                 self._finish("stop", s)
                 return
         if self.num_output_tokens >= max_tokens:
