@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 LINT_PATHS := src tests benchmarks production_service kubeflow deploy template.py
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-fast lint format mlflow-ui serve clean monitoring-tools
+.PHONY: help install run test test-fast lint format mlflow-ui serve clean monitoring-tools client-tools
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -44,6 +44,18 @@ monitoring-tools: ## install Debian's prometheus + prometheus-alertmanager (prom
 	else \
 		echo "install Prometheus (prometheus, promtool) and Alertmanager (amtool) 2.x/0.2x: no apt-get here" >&2; exit 1; \
 	fi
+
+# The real clients the service tests drive (tests/service/test_clients.py), each in its own
+# venv (their pins clash with ours): lm-evaluation-harness and guidellm. torch first, so
+# no CUDA build is pulled in.
+CLIENTS := .venv-clients
+$(CLIENTS)/%/.installed-stamp: requirements-clients.txt
+	@test -x $(CLIENTS)/$*/bin/python || $(PYTHON) -m venv $(CLIENTS)/$*
+	$(CLIENTS)/$*/bin/python -m pip install --quiet torch==2.13.0
+	$(CLIENTS)/$*/bin/python -m pip install --quiet $$(grep -E '^$*[=\[]' requirements-clients.txt)
+	@touch $@
+
+client-tools: $(CLIENTS)/lm-eval/.installed-stamp $(CLIENTS)/guidellm/.installed-stamp ## venvs for lm-eval and guidellm (the live client tests)
 
 lint: install ## ruff lint + format check
 	$(BIN)/ruff check $(LINT_PATHS)

@@ -1,5 +1,5 @@
-"""The Flask app: OpenAI-compatible /v1/completions and /v1/models and the simple
-/predict (the `api` blueprint), and /health, /ready, /metrics, /openapi.json (the
+"""The Flask app: OpenAI-compatible /v1/completions, /v1/chat/completions and
+/v1/models, vLLM's /tokenize and /detokenize, and the simple /predict (the `api` blueprint), and /health, /ready, /metrics, /openapi.json (the
 `ops` blueprint), over one engine loop per process.
 
 gunicorn runs `create_app()` in its (single) worker, so the engine and its
@@ -22,16 +22,19 @@ import uuid
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from production_service import completions, errors
+from production_service import chat, completions, errors
 from production_service.errors import APIError
 from production_service.observability import HttpMetrics, RequestStats, configure_logging
 from production_service.runtime import Runtime
 from production_service.schemas import (
     UNLOADED,
+    Detokenized,
     ModelCard,
     ModelList,
     Prediction,
+    Tokens,
     build_document,
+    check_fields,
     request_models,
     validate,
 )
@@ -142,13 +145,14 @@ def _authorize() -> None:
         )
 
 
-def _validated(which: int):
-    """The body as the endpoint's request model (0: completion, 1: predict), sized
+def _validated(endpoint: str):
+    """The body as the endpoint's request model (schemas.RequestModels' field), sized
     against the context before anything looks at it item by item."""
     runtime = _runtime()
     body = _json_body(runtime.config.max_body_bytes)
     completions.check_prompt_size(body, runtime.limits)
-    request_model = request_models(runtime.limits)[which]
+    request_model = getattr(request_models(runtime.limits), endpoint)
+    check_fields(request_model, body)
     valid = validate(request_model, body)
     model = getattr(valid, "model", None)
     if model is not None and model != runtime.model.name:
@@ -164,27 +168,37 @@ def _validated(which: int):
 @api.post("/v1/completions", endpoint="completions")
 def _completions():
     runtime, stats = _runtime(), g.stats
-    body = _validated(0)
-    jobs = completions.submit(runtime, body, stats)
-    completion_id = f"cmpl-{stats.request_id}"
+    body = _validated("completion")
+    jobs = completions.submit(runtime, body, stats, completions.encode_prompts(runtime, body))
+    return _answer(completions.TextFormat(runtime, body, f"cmpl-{stats.request_id}"), jobs, body, stats)
+
+
+@api.post("/v1/chat/completions", endpoint="chat_completions")
+def _chat_completions():
+    runtime, stats = _runtime(), g.stats
+    body = _validated("chat")
+    jobs = completions.submit(runtime, body, stats, chat.encode_messages(runtime, body))
+    return _answer(chat.ChatFormat(runtime, f"chatcmpl-{stats.request_id}"), jobs, body, stats)
+
+
+def _answer(fmt, jobs, body, stats):
+    """The jobs' answer in `fmt`: server-sent events with `stream`, else one body."""
     if body.stream:
         return Response(
-            completions.stream_events(runtime, jobs, body, stats, completion_id),
+            completions.stream_events(fmt, jobs, body, stats),
             mimetype="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    done = completions.complete(
-        runtime, jobs, stats, completion_id, _client_gone(), n=body.n or 1, echo=bool(body.echo)
-    )
-    return _json(done)
+    return _json(completions.complete(fmt, jobs, stats, _client_gone(), n=body.n or 1))
 
 
 @api.post("/predict", endpoint="predict")
 def _predict():
     runtime, stats = _runtime(), g.stats
-    body = _validated(1)
-    jobs = completions.submit(runtime, body, stats)
-    done = completions.complete(runtime, jobs, stats, f"cmpl-{stats.request_id}", _client_gone())
+    body = _validated("predict")
+    jobs = completions.submit(runtime, body, stats, completions.encode_prompts(runtime, body))
+    fmt = completions.TextFormat(runtime, body, f"cmpl-{stats.request_id}")
+    done = completions.complete(fmt, jobs, stats, _client_gone())
     [choice] = done.choices
     return _json(
         Prediction(
@@ -195,6 +209,32 @@ def _predict():
             finish_reason=choice.finish_reason,
         )
     )
+
+
+@api.post("/tokenize", endpoint="tokenize")
+def _tokenize():
+    """vLLM's: a prompt (special tokens added unless add_special_tokens is false) or chat
+    messages (rendered by the chat template, as /v1/chat/completions does)."""
+    runtime = _runtime()
+    body = _validated("tokenize")
+    if body.messages is not None:
+        text, add_special = chat.render_messages(runtime, body.messages, body.add_generation_prompt), False
+    else:
+        text, add_special = body.prompt, True
+    add_special = add_special if body.add_special_tokens is None else body.add_special_tokens
+    tok = runtime.engine.tokenizer
+    ids = tok.encode(text, add_special_tokens=add_special).ids
+    strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
+    return _json(
+        Tokens(count=len(ids), max_model_len=runtime.limits.max_model_len, tokens=ids, token_strs=strs)
+    )
+
+
+@api.post("/detokenize", endpoint="detokenize")
+def _detokenize():
+    runtime = _runtime()
+    body = _validated("detokenize")
+    return _json(Detokenized(prompt=runtime.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)))
 
 
 @api.get("/v1/models", endpoint="models")

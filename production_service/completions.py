@@ -1,5 +1,6 @@
-"""From a validated request to engine requests, and from their outputs to
-OpenAI's completion objects: one JSON body, or server-sent events."""
+"""From a validated request to engine requests, and from their outputs to the API's
+objects, one JSON body or server-sent events: the waiting, streaming and usage shared by
+/v1/completions (`TextFormat`, here) and /v1/chat/completions (chat.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import queue
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
+
+from pydantic import BaseModel
 
 from lmops.runtime.engine import (
     CompletionOutput,
@@ -25,6 +29,7 @@ from production_service.schemas import (
     CompletionChunk,
     Limits,
     Logprobs,
+    PromptLogprob,
     Usage,
 )
 
@@ -43,8 +48,10 @@ _SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "seed",
-    "logprobs",
     "ignore_eos",
+    "min_tokens",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
 )
 
 
@@ -67,11 +74,25 @@ def check_prompt_size(body: object, limits: Limits) -> None:
     truncate = body.get("truncate_prompt_tokens") is not None
     if isinstance(prompt, list) and len(prompt) > max(limits.max_prompt_tokens, MAX_PROMPTS):
         raise _too_long(f"prompt has {len(prompt)} items", limits)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        chars = sum(_chars(m.get("content")) for m in messages if isinstance(m, dict))
+        if chars > limits.max_prompt_chars:
+            raise _too_long(f"the messages have {chars} characters, so more tokens than fit", limits)
     for p in prompt if isinstance(prompt, list) else [prompt]:
         if isinstance(p, list) and len(p) > limits.max_prompt_tokens:
             raise _too_long(f"a prompt has {len(p)} token ids", limits)
         if isinstance(p, str) and len(p) > limits.max_prompt_chars and not truncate:
             raise _too_long(f"a prompt has {len(p)} characters, so more tokens than fit", limits)
+
+
+def _chars(content: object) -> int:
+    """Characters of a chat message's content: a string, or text parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 def _too_long(what: str, limits: Limits) -> APIError:
@@ -84,10 +105,12 @@ def _too_long(what: str, limits: Limits) -> APIError:
     )
 
 
-def encode_prompts(tokenizer, prompt, truncate: int | None, limits: Limits) -> list[tuple[str, list[int]]]:
+def encode_prompts(runtime, body) -> list[tuple[str, list[int]]]:
     """(text, token ids) per prompt, tokenized as the engine does, left-truncated only
     when `truncate_prompt_tokens` asks for it. A text to truncate is tokenized from a
     tail twice as long as any prompt can be, so a huge one costs no more than a long one."""
+    tokenizer, limits, prompt = runtime.engine.tokenizer, runtime.limits, body.prompt
+    truncate = getattr(body, "truncate_prompt_tokens", None)
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
     out = []
@@ -110,6 +133,9 @@ def sampling_params(body, generation: dict) -> SamplingParams:
     generation_config.json and LMOPS_GENERATION_CONFIG). The engine caps max_tokens at the
     room the context leaves after the prompt."""
     kwargs = {k: getattr(body, k) for k in _SAMPLING_FIELDS if getattr(body, k, None) is not None}
+    kwargs.update((k, v) for k, v in body.sampling_fields().items() if v is not None)
+    if getattr(body, "logit_bias", None):
+        kwargs["logit_bias"] = {int(t): b for t, b in body.logit_bias.items()}
     try:
         return SamplingParams.from_generation_config(generation, **kwargs)
     except ValueError as exc:
@@ -123,11 +149,9 @@ def queue_full() -> APIError:
     )
 
 
-def submit(runtime, body, stats: RequestStats) -> list[Job]:
-    """Submit every prompt, or none: a failure cancels what was already submitted."""
+def submit(runtime, body, stats: RequestStats, prompts: list[tuple[str, list[int]]]) -> list[Job]:
+    """Submit every (text, token ids) prompt, or none: a failure cancels what was already submitted."""
     params = sampling_params(body, runtime.generation_config)
-    truncate = getattr(body, "truncate_prompt_tokens", None)
-    prompts = encode_prompts(runtime.engine.tokenizer, body.prompt, truncate, runtime.limits)
     jobs: list[Job] = []
     try:
         for text, ids in prompts:
@@ -164,8 +188,101 @@ def _logprob(value: float) -> float:
     return max(float(value), -9999.0)
 
 
-def _logprobs(tok, entries: list[dict] | None, offset: int) -> Logprobs | None:
-    """The engine's per-token logprobs in OpenAI's legacy completions shape."""
+def usage(stats: RequestStats) -> Usage:
+    return Usage(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        total_tokens=stats.prompt_tokens + stats.completion_tokens,
+    )
+
+
+@dataclass
+class Piece:
+    """What one choice adds to the answer: all of it (a plain answer), or what is new
+    since its last event (a stream). `entries` are the new tokens' log-prob entries."""
+
+    index: int
+    job: Job
+    out: RequestOutput
+    co: CompletionOutput
+    text: str
+    entries: list[dict] | None
+    first: bool  # nothing of this choice was sent before
+    chars: int  # characters of this choice's text sent before
+
+
+class Format(Protocol):
+    """One API's shapes over the shared waiting and streaming (legacy completions here,
+    chat in chat.py): a choice from a piece, and the body or event around the choices."""
+
+    def choice(self, piece: Piece, stream: bool) -> BaseModel: ...
+
+    def body(self, choices: list, usage: Usage | None, stream: bool) -> BaseModel: ...
+
+    def opens(self, piece: Piece) -> bool:
+        """Whether a choice's first event is sent before it has text (echo, chat's role)."""
+        ...
+
+
+class TextFormat:
+    """OpenAI's legacy completions: text, `echo` (the prompt first, with its log-probs
+    when `logprobs` is set: the first token's null), vLLM's `prompt_logprobs`."""
+
+    def __init__(self, runtime, body, completion_id: str):
+        self.tok, self.echo = runtime.engine.tokenizer, bool(getattr(body, "echo", False))
+        self.prompt_logprobs = getattr(body, "prompt_logprobs", None) is not None
+        self.head = {"id": completion_id, "created": int(time.time()), "model": runtime.model.name}
+
+    def opens(self, piece: Piece) -> bool:
+        return self.echo
+
+    def choice(self, piece: Piece, stream: bool) -> Choice:
+        prefix, entries, offset = "", piece.entries, piece.chars
+        if self.echo:
+            offset += len(piece.job.prompt_text)
+            if piece.first:
+                prefix, offset = piece.job.prompt_text, 0
+                if entries is not None:
+                    entries = prompt_entries(piece.out) + entries
+        return Choice(
+            index=piece.index,
+            text=prefix + piece.text,
+            logprobs=_legacy_logprobs(self.tok, entries, offset),
+            finish_reason=piece.co.finish_reason,
+            prompt_logprobs=vllm_prompt_logprobs(self.tok, piece.out)
+            if self.prompt_logprobs and piece.first
+            else None,
+        )
+
+    def body(self, choices: list, usage: Usage | None, stream: bool):
+        return (CompletionChunk if stream else Completion)(**self.head, choices=choices, usage=usage)
+
+
+def prompt_entries(out: RequestOutput) -> list[dict]:
+    """The prompt's tokens as log-prob entries; nothing predicts the first, so it has none."""
+    first = {"token_id": out.prompt_token_ids[0], "logprob": None, "top": None}
+    return [first, *out.prompt_logprobs[1:]]
+
+
+def vllm_prompt_logprobs(tok, out: RequestOutput) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: logprob, rank, decoded_token}
+    for the token itself and its top alternatives; None for the first."""
+    result: list[dict[str, PromptLogprob] | None] = [None]
+    for e in out.prompt_logprobs[1:]:
+        ranked = {e["token_id"]: (e["logprob"], e["rank"])}
+        for rank, (t, lp) in enumerate(e["top"].items(), 1):
+            ranked.setdefault(int(t), (lp, rank))
+        result.append(
+            {
+                str(t): PromptLogprob(logprob=_logprob(lp), rank=rank, decoded_token=tok.decode([t]))
+                for t, (lp, rank) in ranked.items()
+            }
+        )
+    return result
+
+
+def _legacy_logprobs(tok, entries: list[dict] | None, offset: int) -> Logprobs | None:
+    """Per-token log-prob entries in OpenAI's legacy completions shape."""
     if entries is None:
         return None
     tokens = [tok.decode([e["token_id"]]) for e in entries]
@@ -175,19 +292,12 @@ def _logprobs(tok, entries: list[dict] | None, offset: int) -> Logprobs | None:
         offset += len(text)
     return Logprobs(
         tokens=tokens,
-        token_logprobs=[_logprob(e["logprob"]) for e in entries],
+        token_logprobs=[None if e["logprob"] is None else _logprob(e["logprob"]) for e in entries],
         top_logprobs=[
-            {tok.decode([int(t)]): _logprob(lp) for t, lp in (e.get("top") or {}).items()} for e in entries
+            None if e["top"] is None else {tok.decode([int(t)]): _logprob(lp) for t, lp in e["top"].items()}
+            for e in entries
         ],
         text_offset=offsets,
-    )
-
-
-def _usage(stats: RequestStats) -> Usage:
-    return Usage(
-        prompt_tokens=stats.prompt_tokens,
-        completion_tokens=stats.completion_tokens,
-        total_tokens=stats.prompt_tokens + stats.completion_tokens,
     )
 
 
@@ -215,33 +325,23 @@ def _outputs(stream, client_gone: Callable[[], bool]) -> Iterator[RequestOutput]
 
 
 def complete(
-    runtime,
-    jobs: list[Job],
-    stats: RequestStats,
-    completion_id: str,
-    client_gone: Callable[[], bool],
-    n: int = 1,
-    echo: bool = False,
-) -> Completion:
+    fmt: Format, jobs: list[Job], stats: RequestStats, client_gone: Callable[[], bool], n: int = 1
+) -> BaseModel:
     """Wait for every job (of `n` choices each); a client that goes away aborts them
     all, as a stream's does."""
-    tok = runtime.engine.tokenizer
     choices = []
     done = False
     try:
         for i, job in enumerate(jobs):
             final: dict[int, CompletionOutput] = {}
-            for out in _outputs(job.stream, client_gone):
-                for co in out.outputs:
+            last = None
+            for last in _outputs(job.stream, client_gone):
+                for co in last.outputs:
                     final[co.index] = co
                     stats.on_tokens(len(co.delta_token_ids))
-            prefix = job.prompt_text if echo else ""
             choices += [
-                Choice(
-                    index=i * n + co.index,
-                    text=prefix + co.text,
-                    logprobs=_logprobs(tok, co.logprobs, len(prefix)),
-                    finish_reason=co.finish_reason,
+                fmt.choice(
+                    Piece(i * n + co.index, job, last, co, co.text, co.logprobs, True, 0), stream=False
                 )
                 for co in final.values()
             ]
@@ -255,13 +355,7 @@ def complete(
         if not done:
             for job in jobs:
                 job.stream.cancel()
-    return Completion(
-        id=completion_id,
-        created=int(time.time()),
-        model=runtime.model.name,
-        choices=choices,
-        usage=_usage(stats),
-    )
+    return fmt.body(choices, usage(stats), stream=False)
 
 
 def _drain(stream, out: RequestOutput) -> list[RequestOutput]:
@@ -303,39 +397,45 @@ class _Sent:
     finished: bool = False
 
 
-def stream_events(runtime, jobs: list[Job], body, stats: RequestStats, completion_id: str) -> Iterator[str]:
-    """Server-sent events, one per batch of new text; a client that goes away (the
+def stream_events(fmt: Format, jobs: list[Job], body, stats: RequestStats) -> Iterator[str]:
+    """Server-sent events, one per batch of new text (with `stream_options`: usage at the
+    end, and in every event with `continuous_usage_stats`); a client that goes away (the
     server closes this generator) aborts every job and frees its KV blocks."""
-    tok, n, echo = runtime.engine.tokenizer, body.n or 1, bool(body.echo)
-    head = {"id": completion_id, "created": int(time.time()), "model": runtime.model.name}
+    n, options = body.n or 1, body.stream_options
+    continuous = options is not None and options.continuous_usage_stats
     done = False
     try:
         for i, job in enumerate(jobs):
-            prompt_chars = len(job.prompt_text) if echo else 0
             sent: dict[int, _Sent] = {}
             while (out := job.stream.get()) is not None:
                 choices = []
-                for index, (text, ids, co) in _merge(_drain(job.stream, out)).items():
+                outs = _drain(job.stream, out)
+                for index, (text, ids, co) in _merge(outs).items():
                     stats.on_tokens(len(ids))
                     was = sent.get(index)
-                    if (was and was.finished) or not (text or co.finish_reason or (was is None and echo)):
-                        continue  # nothing to say (yet): text held back for a stop string or a partial character
-                    prefix = job.prompt_text if echo and was is None else ""
-                    was = was or _Sent()
-                    entries = None if co.logprobs is None else co.logprobs[was.tokens :]
-                    choices.append(
-                        Choice(
-                            index=i * n + index,
-                            text=prefix + text,
-                            logprobs=_logprobs(tok, entries, prompt_chars + was.chars),
-                            finish_reason=co.finish_reason,
-                        )
+                    piece = Piece(
+                        i * n + index,
+                        job,
+                        outs[-1],
+                        co,
+                        text,
+                        None if co.logprobs is None else co.logprobs[was.tokens if was else 0 :],
+                        was is None,
+                        was.chars if was else 0,
                     )
+                    if (was and was.finished) or not (
+                        text or co.finish_reason or (was is None and fmt.opens(piece))
+                    ):
+                        continue  # nothing to say (yet): text held back for a stop string or a partial character
+                    choices.append(fmt.choice(piece, stream=True))
+                    was = was or _Sent()
                     sent[index] = _Sent(was.chars + len(text), len(co.token_ids), bool(co.finish_reason))
                 if choices:
-                    yield _event(CompletionChunk(**head, choices=choices).model_dump_json())
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield _event(CompletionChunk(**head, choices=[], usage=_usage(stats)).model_dump_json())
+                    yield _event(
+                        fmt.body(choices, usage(stats) if continuous else None, stream=True).model_dump_json()
+                    )
+        if options is not None and options.include_usage:
+            yield _event(fmt.body([], usage(stats), stream=True).model_dump_json())
         yield _event("[DONE]")
         done = True
     except RuntimeError as exc:  # the engine loop died mid-stream: the status is sent, say it in-band

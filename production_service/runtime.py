@@ -8,7 +8,13 @@ import os
 import threading
 import time
 
-from lmops.runtime.model_dir import read_generation_config, sampling_defaults
+from lmops.runtime.chat_template import compile_template
+from lmops.runtime.model_dir import (
+    read_chat_template,
+    read_generation_config,
+    sampling_defaults,
+    special_tokens,
+)
 from production_service import faults
 from production_service.model_source import ModelInfo, resolve_model
 from production_service.schemas import Limits
@@ -33,6 +39,9 @@ class Runtime:
         self.limits: Limits | None = None
         # Request defaults: the model's generation_config.json, LMOPS_GENERATION_CONFIG on top.
         self.generation_config: dict = {}
+        # /v1/chat/completions: the model's chat template (or LMOPS_CHAT_TEMPLATE's file), None if neither.
+        self.chat_template: str | None = None
+        self.special_tokens: dict[str, str] = {}
         self.created = int(time.time())
         self._ready = threading.Event()
         self._lock = threading.Lock()
@@ -60,6 +69,10 @@ class Runtime:
             model = resolve_model(self.config.model_dir, self.config.model_uri, self.config.model_cache)
             generation = {**read_generation_config(model.path), **self.config.generation_config}
             sampling_defaults(model.path, self.config.generation_config)  # fails the load when invalid
+            path = self.config.chat_template
+            chat_template = path.read_text(encoding="utf-8") if path else read_chat_template(model.path)
+            if chat_template is not None:
+                compile_template(chat_template)  # a template that does not parse fails the load
             engine = LLMEngine.from_pretrained(model.path, self.config.engine)
             engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0, max_tokens=8))
             engine.metrics = EngineMetrics()  # the warm-up is not a request anyone made
@@ -79,6 +92,7 @@ class Runtime:
             loop.start()
             self.engine, self.loop, self.model = engine, loop, model
             self.generation_config = generation
+            self.chat_template, self.special_tokens = chat_template, special_tokens(model.path)
             self.limits = Limits(
                 max_model_len=engine.max_model_len,
                 vocab_size=engine.model_config.vocab_size,

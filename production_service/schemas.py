@@ -8,11 +8,13 @@ builds (and caches) the request models for them.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from lmops.runtime.engine.sampling import RANGES
 from production_service.errors import APIError
@@ -78,12 +80,39 @@ def _sampling(field: str, description: str | None = None, cap: float | None = No
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="A last event with the usage and no choices.")
+    continuous_usage_stats: bool = Field(False, description="The usage so far in every event (vLLM extra).")
+
+
+@dataclass(frozen=True)
+class RequestModels:
+    completion: type[_Request]
+    predict: type[_Request]
+    chat: type[_Request]
+    tokenize: type[_Request]
+    detokenize: type[_Request]
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] = Field(
+        description="A string, or text parts (joined with no separator)."
+    )
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 @functools.lru_cache(maxsize=4)
-def request_models(limits: Limits) -> tuple[type[_Request], type[_Request]]:
-    """(CompletionRequest, PredictRequest) for a model's limits."""
+def request_models(limits: Limits) -> RequestModels:
+    """Every endpoint's request model for a model's limits."""
     ctx, vocab = limits.max_model_len, limits.vocab_size
     text = Annotated[str, Field(min_length=1)]
     token_id = _integer(0, vocab - 1)
@@ -102,16 +131,15 @@ def request_models(limits: Limits) -> tuple[type[_Request], type[_Request]]:
             None, description="Generation stops before any of these strings; they are not returned."
         )
 
-    class CompletionRequest(Sampling):
+        def sampling_fields(self) -> dict:
+            """The SamplingParams fields this API spells its own way."""
+            return {}
+
+    class Generation(Sampling):
+        """What completions and chat share."""
+
         model: str | None = Field(None, description="Must be the served model's id when given.")
-        prompt: (
-            text
-            | Annotated[list[text], Field(min_length=1, max_length=MAX_PROMPTS)]
-            | token_ids
-            | Annotated[list[token_ids], Field(min_length=1, max_length=MAX_PROMPTS)]
-        ) = Field(description="A string, strings, token ids, or lists of token ids.")
         n: _sampling("n", cap=min(MAX_N, limits.max_num_seqs)) = None
-        logprobs: _sampling("logprobs", "Top log-probabilities per generated token.") = None
         presence_penalty: _sampling("presence_penalty") = None
         frequency_penalty: _sampling("frequency_penalty") = None
         repetition_penalty: _sampling("repetition_penalty", "vLLM extra. Default 1.") = None
@@ -120,21 +148,105 @@ def request_models(limits: Limits) -> tuple[type[_Request], type[_Request]]:
             None, description="vLLM extra."
         )
         ignore_eos: bool | None = Field(None, description="vLLM extra.")
-        echo: bool | None = Field(None, description="Prepend the prompt to the text.")
         stream: bool | None = Field(None, description="Server-sent events ending in `data: [DONE]`.")
         stream_options: StreamOptions | None = None
+        user: str | None = Field(None, description="Accepted and ignored.")
+        min_tokens: _sampling(
+            "min_tokens", "No EOS, stop token or stop string before this many (vLLM extra).", ctx
+        ) = None
+        include_stop_str_in_output: bool | None = Field(
+            None, description="Keep the stop string (vLLM extra)."
+        )
+        skip_special_tokens: bool | None = Field(
+            None, description="Leave special tokens out of the text (vLLM extra; default true)."
+        )
+        logit_bias: (
+            dict[
+                Annotated[str, Field(pattern=r"^[0-9]+$")],
+                Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)],
+            ]
+            | None
+        ) = Field(None, description="Token id -> bias added to its logit.")
+
+    class CompletionRequest(Generation):
+        prompt: (
+            text
+            | Annotated[list[text], Field(min_length=1, max_length=MAX_PROMPTS)]
+            | token_ids
+            | Annotated[list[token_ids], Field(min_length=1, max_length=MAX_PROMPTS)]
+        ) = Field(description="A string, strings, token ids, or lists of token ids.")
+        logprobs: _sampling(
+            "logprobs", "Top log-probabilities per generated token; with echo, per prompt token too."
+        ) = None
+        prompt_logprobs: _sampling(
+            "prompt_logprobs", "Log-probs of the prompt's tokens and this many alternatives (vLLM extra)."
+        ) = None
+        echo: bool | None = Field(None, description="Prepend the prompt to the text.")
         truncate_prompt_tokens: _int(
             1,
             limits.max_prompt_tokens,
             "Keep only the last k prompt tokens (vLLM extra); without it a prompt longer "
             "than the context is a 400.",
         ) = None
-        user: str | None = Field(None, description="Accepted and ignored.")
+
+        def sampling_fields(self) -> dict:
+            plp = self.prompt_logprobs
+            if self.echo and self.logprobs is not None:  # the echoed prompt's log-probs too
+                plp = max(self.logprobs, plp or 0)
+            return {"logprobs": self.logprobs, "prompt_logprobs": plp}
+
+    class ChatCompletionRequest(Generation):
+        messages: Annotated[list[Message], Field(min_length=1)]
+        max_completion_tokens: _sampling("max_tokens", "OpenAI's newer name for max_tokens.", ctx) = None
+        logprobs: bool | None = Field(None, description="Log-probs of the generated tokens.")
+        top_logprobs: _sampling("logprobs", "Alternatives per token, with logprobs.") = None
+        add_generation_prompt: bool = Field(True, description="End with the assistant's turn (vLLM extra).")
+
+        def sampling_fields(self) -> dict:
+            return {
+                "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+                "max_tokens": self.max_completion_tokens,
+            }
 
     class PredictRequest(Sampling):
         prompt: text
 
-    return CompletionRequest, PredictRequest
+    class TokenizeRequest(_Request):
+        """vLLM's: a prompt, or chat messages rendered by the chat template."""
+
+        model: str | None = None
+        prompt: str | None = None
+        messages: Annotated[list[Message], Field(min_length=1)] | None = None
+        add_special_tokens: bool | None = Field(
+            None, description="Default: true for a prompt, false for messages."
+        )
+        add_generation_prompt: bool = True
+        return_token_strs: bool = False
+
+        @model_validator(mode="after")
+        def _one_input(self):
+            if (self.prompt is None) == (self.messages is None):
+                raise ValueError("give exactly one of prompt or messages")
+            return self
+
+    class DetokenizeRequest(_Request):
+        model: str | None = None
+        tokens: Annotated[list[token_id], Field(max_length=ctx)]
+
+    return RequestModels(
+        CompletionRequest, PredictRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest
+    )
+
+
+def check_fields(model: type[_Request], body: object) -> None:
+    """An unknown top-level field is a 400 naming it and the nearest known one."""
+    if not isinstance(body, dict):
+        return
+    for name in body:
+        if name not in model.model_fields:
+            near = difflib.get_close_matches(str(name), list(model.model_fields), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise APIError(400, f"{name}: unknown field{hint}", code="invalid_value", param=str(name))
 
 
 def validate(model: type[_Request], body: object) -> _Request:
@@ -164,10 +276,18 @@ def _most_telling(errors: list[dict]) -> dict:
 
 
 class Logprobs(BaseModel):
+    """OpenAI's legacy shape; with echo the prompt's tokens come first, the first one's null."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class Choice(BaseModel):
@@ -175,6 +295,9 @@ class Choice(BaseModel):
     text: str
     logprobs: Logprobs | None
     finish_reason: FinishReason | None = Field(description="null until a streamed choice's last chunk")
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="With prompt_logprobs (vLLM's shape): per prompt token, by token id."
+    )
 
 
 class Usage(BaseModel):
@@ -196,6 +319,78 @@ class CompletionChunk(BaseModel):
 
 class Completion(CompletionChunk):
     usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None = Field(description="null until a choice's last chunk")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One streamed event's data: the first per choice carries the role, the last its
+    finish_reason; `usage` as in CompletionChunk."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Tokens(BaseModel):
+    """vLLM's /tokenize answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class Detokenized(BaseModel):
+    prompt: str
 
 
 class Prediction(BaseModel):
@@ -294,33 +489,57 @@ def build_document(limits: Limits, api_key: bool) -> dict:
     def get(summary: str, ok: dict, responses: dict | None = None, **extra) -> dict:
         return {"get": {"summary": summary, **extra, "responses": {"200": ok, **(responses or {})}}}
 
-    stream_event = {
-        "type": "object",
-        "required": ["data"],
-        "properties": {
-            "data": {
-                "anyOf": [
-                    {"const": "[DONE]"},
-                    {"contentMediaType": "application/json", "contentSchema": _ref("CompletionChunk")},
-                ]
-            }
-        },
-        "description": "One server-sent event: a chunk, then `[DONE]`.",
-    }
-    completion_ok = {
-        "description": "The completion, or with `stream: true` server-sent events",
-        "content": {
-            "application/json": {"schema": _ref("Completion")},
-            "text/event-stream": {"schema": _ref("StreamEvent")},
-        },
-    }
+    def streamed(chunk: str) -> dict:
+        return {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "anyOf": [
+                        {"const": "[DONE]"},
+                        {"contentMediaType": "application/json", "contentSchema": _ref(chunk)},
+                    ]
+                }
+            },
+            "description": "One server-sent event: a chunk, then `[DONE]`.",
+        }
+
+    def answer(body: str, event: str) -> dict:
+        return {
+            "description": "The answer, or with `stream: true` server-sent events",
+            "content": {
+                "application/json": {"schema": _ref(body)},
+                "text/event-stream": {"schema": _ref(event)},
+            },
+        }
+
     text = {
         "description": "Prometheus text format",
         "content": {"text/plain": {"schema": {"type": "string"}}},
     }
     document = {"description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}
     paths = {
-        "/v1/completions": post("OpenAI-compatible text completion", "CompletionRequest", completion_ok, 404),
+        "/v1/completions": post(
+            "OpenAI-compatible text completion",
+            "CompletionRequest",
+            answer("Completion", "StreamEvent"),
+            404,
+        ),
+        "/v1/chat/completions": post(
+            "OpenAI-compatible chat completion (the model's chat template renders the messages)",
+            "ChatCompletionRequest",
+            answer("ChatCompletion", "ChatStreamEvent"),
+            404,
+        ),
+        "/tokenize": post(
+            "vLLM's: a prompt or chat messages to token ids",
+            "TokenizeRequest",
+            _json("Tokens", "Token ids"),
+            404,
+        ),
+        "/detokenize": post(
+            "vLLM's: token ids to text", "DetokenizeRequest", _json("Detokenized", "The text"), 404
+        ),
         "/predict": post(
             "The simple form: a prompt in, a completion out",
             "PredictRequest",
@@ -343,10 +562,22 @@ def build_document(limits: Limits, api_key: bool) -> dict:
         "/metrics": get("Prometheus metrics: engine and HTTP", text, _errors(*auth), **secured),
         "/openapi.json": get("This document", document, _errors(*auth), **secured),
     }
+    models = request_models(limits)
     schemas = _schemas(
-        *request_models(limits), Completion, CompletionChunk, Prediction, ModelList, Status, Error
+        *(getattr(models, f.name) for f in dataclasses.fields(models)),
+        Completion,
+        CompletionChunk,
+        ChatCompletion,
+        ChatCompletionChunk,
+        Tokens,
+        Detokenized,
+        Prediction,
+        ModelList,
+        Status,
+        Error,
     )
-    components: dict = {"schemas": {**schemas, "StreamEvent": stream_event}}
+    events = {"StreamEvent": streamed("CompletionChunk"), "ChatStreamEvent": streamed("ChatCompletionChunk")}
+    components: dict = {"schemas": {**schemas, **events}}
     if api_key:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return {

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, FilePath, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from lmops.errors import LmopsError
@@ -58,6 +58,7 @@ class ServiceConfig(BaseSettings):
     # Request defaults over the model's generation_config.json, e.g. '{"temperature": 0}'
     # (vLLM's --override-generation-config); a request's own values win over both.
     generation_config: dict[str, Any] = Field(default_factory=dict)
+    chat_template: FilePath | None = None  # a Jinja file used instead of the model's chat template
     # gunicorn.conf.py sets it: a worker that cannot load its model exits with
     # gunicorn's WORKER_BOOT_ERROR, so the master halts instead of respawning it.
     exit_on_load_failure: bool = False

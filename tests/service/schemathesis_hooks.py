@@ -1,7 +1,7 @@
 """schemathesis hooks for the live OpenAPI test (loaded through SCHEMATHESIS_HOOKS).
 
 The document allows requests that keep the tiny CPU model busy for seconds
-(16 prompts x n=16 x 255 tokens); valid cases are shrunk to cheap ones that stay
+(16 prompts x n=16 x 255 tokens, long chats); valid cases are shrunk to cheap ones that stay
 valid. Invalid cases are left alone: they are rejected before any generation.
 """
 
@@ -18,6 +18,8 @@ def cheap(body: dict) -> dict:
     body = dict(body)
     if body.get("max_tokens") is None or _number(body["max_tokens"]):
         body["max_tokens"] = min(body.get("max_tokens") or 2, 2)
+    if _number(body.get("max_completion_tokens")):
+        body["max_completion_tokens"] = min(body["max_completion_tokens"], 2)
     if _number(body.get("n")):
         body["n"] = min(body["n"], 2)
     prompt = body.get("prompt")
@@ -27,6 +29,14 @@ def cheap(body: dict) -> dict:
         body["prompt"] = [p[:40] for p in prompt[:2]]
     elif isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         body["prompt"] = prompt[:2]
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        body["messages"] = [
+            {**m, "content": m["content"][:40]}
+            if isinstance(m, dict) and isinstance(m.get("content"), str)
+            else m
+            for m in messages[:4]
+        ]
     return body
 
 

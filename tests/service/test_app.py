@@ -72,15 +72,47 @@ def test_prompt_forms_and_n_index_choices(client, app):
     assert r.status_code == 200 and r.get_json()["usage"]["prompt_tokens"] == len(ids) + 3
 
 
-def test_echo_and_logprobs(client):
+def test_echo_and_logprobs(client, app):
+    """echo + logprobs: the prompt's tokens first (the first one's null, as in OpenAI's
+    legacy API), then the generated ones; lm-eval's loglikelihood reads exactly this."""
+    tok = app.extensions["lmops"].engine.tokenizer
+    n_prompt = len(tok.encode(PROMPT, add_special_tokens=False).ids)
     r = completion(client, echo=True, logprobs=2, temperature=0, ignore_eos=True)
     [choice] = r.get_json()["choices"]
     assert choice["text"].startswith(PROMPT)
     lp = choice["logprobs"]
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
-    assert lp["text_offset"][0] == len(PROMPT)
-    assert all(v <= 0 for v in lp["token_logprobs"])
-    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"])
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n_prompt + 4
+    assert "".join(lp["tokens"][:n_prompt]) == PROMPT and lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+    assert lp["text_offset"][n_prompt] == len(PROMPT)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
+
+
+def test_prompt_logprobs_equal_a_full_forward(client, app, model_dir):
+    """max_tokens 0 with echo scores the prompt only; vLLM's prompt_logprobs gives the same
+    numbers by token id with ranks; both equal a plain forward of the model."""
+    import torch
+
+    from lmops.runtime.model import Llama
+
+    tok = app.extensions["lmops"].engine.tokenizer
+    ids = tok.encode(PROMPT, add_special_tokens=False).ids
+    with torch.no_grad():
+        logits = Llama.from_pretrained(model_dir, "cpu", torch.float32)(torch.tensor([ids]))[0][0, :-1]
+    want = torch.log_softmax(logits.float(), -1)[torch.arange(len(ids) - 1), ids[1:]].tolist()
+    completion(client, prompt=PROMPT + " again", max_tokens=1)  # the prefix is now cached
+    body = completion(client, echo=True, logprobs=0, max_tokens=0, prompt_logprobs=1).get_json()
+    [choice] = body["choices"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    plp = choice["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for entry, token, lp in zip(plp[1:], ids[1:], want, strict=True):
+        assert entry[str(token)]["logprob"] == pytest.approx(lp, abs=1e-4)
+        assert entry[str(token)]["decoded_token"] == tok.decode([token])
+        assert min(e["rank"] for e in entry.values()) == 1
 
 
 def test_stream_matches_plain_and_ends_with_done(client):
@@ -94,7 +126,8 @@ def test_stream_matches_plain_and_ends_with_done(client):
     assert events[-1]["choices"] == [] and events[-1]["usage"] == plain["usage"]
 
 
-def test_stream_with_n_echo_and_logprobs_adds_up_to_the_plain_answer(client):
+def test_stream_with_n_echo_and_logprobs_adds_up_to_the_plain_answer(client, app):
+    n_prompt = len(app.extensions["lmops"].engine.tokenizer.encode(PROMPT, add_special_tokens=False).ids)
     body = {"n": 2, "seed": 7, "max_tokens": 6, "echo": True, "logprobs": 1, "ignore_eos": True}
     plain = {c["index"]: c for c in completion(client, **body).get_json()["choices"]}
     texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
@@ -104,7 +137,7 @@ def test_stream_with_n_echo_and_logprobs_adds_up_to_the_plain_answer(client):
             tokens[c["index"]] += c["logprobs"]["tokens"]
     for i in (0, 1):
         assert texts[i] == plain[i]["text"] and texts[i].startswith(PROMPT)
-        assert tokens[i] == plain[i]["logprobs"]["tokens"] and len(tokens[i]) == 6
+        assert tokens[i] == plain[i]["logprobs"]["tokens"] and len(tokens[i]) == n_prompt + 6
 
 
 def test_predict_and_models(client):
@@ -122,7 +155,8 @@ def test_predict_and_models(client):
     [
         ({"temperature": 5}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"max_tokens": CONTEXT + 1}, "max_tokens"),
         ({"n": 1.5}, "n"),
         ({"top_p": 0}, "top_p"),
@@ -404,3 +438,28 @@ def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
     monkeypatch.setattr(settings_module, "_ENGINE_FIELDS", settings_module._ENGINE_FIELDS[:-1])
     engine = ServiceConfig.from_env().engine
     assert engine.kv_cache_memory == 1000000 and engine.quantization == "int8"
+
+
+def test_vllm_sampling_extensions_are_honoured(client, app):
+    """min_tokens (stop tokens masked until then), include_stop_str_in_output,
+    skip_special_tokens, and OpenAI's logit_bias."""
+    tok = app.extensions["lmops"].engine.tokenizer
+    x = tok.encode("e", add_special_tokens=False).ids[0]
+    forced = {"temperature": 0, "max_tokens": 8, "logit_bias": {str(x): 100}}
+    r = completion(client, **forced, stop_token_ids=[x], min_tokens=3).get_json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 4
+    eos = {"temperature": 0, "max_tokens": 2, "ignore_eos": True, "logit_bias": {"2": 100}}
+    assert completion(client, **eos).get_json()["choices"][0]["text"] == ""
+    assert completion(client, **eos, skip_special_tokens=False).get_json()["choices"][0]["text"] == "</s></s>"
+    greedy = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    text = completion(client, **greedy).get_json()["choices"][0]["text"]
+    stop = text.strip()[2:4] or text[2:4]
+    kept = completion(client, **greedy, stop=[stop], include_stop_str_in_output=True).get_json()["choices"][0]
+    assert kept["finish_reason"] == "stop" and kept["text"] == text[: text.index(stop) + len(stop)]
+
+
+def test_unknown_field_names_the_nearest(client):
+    error = assert_error(completion(client, max_token=3), 400, "invalid_value", "max_token")
+    assert "did you mean 'max_tokens'" in error["message"]
+    error = assert_error(client.post("/v1/chat/completions", json={"mesages": []}), 400, param="mesages")
+    assert "did you mean 'messages'" in error["message"]

@@ -242,3 +242,29 @@ def test_lmops_serve_runs_outside_the_checkout(model_dir, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_openai_client_chat_plain_and_streaming(oai):
+    """The SDK's chat API as its documentation shows it, nothing patched."""
+    messages = [{"role": "system", "content": "Speak verse."}, {"role": "user", "content": "ROMEO:"}]
+    plain = oai.chat.completions.create(
+        model="lmops-tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+    )
+    [choice] = plain.choices
+    assert choice.message.role == "assistant" and plain.object == "chat.completion"
+    assert len(choice.logprobs.content) == plain.usage.completion_tokens
+    stream = oai.chat.completions.create(
+        model="lmops-tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="lmops-tiny", messages=[], max_tokens=1)
+    assert err.value.body["param"] == "messages"

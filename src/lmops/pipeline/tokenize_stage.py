@@ -45,6 +45,18 @@ log = logging.getLogger(__name__)
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 SAMPLE_PIECE = 1 << 16  # the tokenizer's training sample is pieces of whole lines of about this size
 INDEX = "index.json"
+# The chat template saved with the tokenizer (tokenizer_config.json's "chat_template",
+# rendered by /v1/chat/completions as transformers' apply_chat_template renders it). The
+# model is a base model trained on plain text, with no chat tokens, so the template is a
+# plain transcript: "Role: content" paragraphs, and "Assistant:" for the model to continue:
+#     System: Be brief.\n\nUser: Hi\n\nAssistant:
+# A deployment can replace it (LMOPS_CHAT_TEMPLATE, a Jinja file).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] | trim }}{{ '\\n\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}Assistant:{% endif -%}"
+)
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
@@ -79,6 +91,7 @@ def save_tokenizer(tok: Tokenizer, directory: Path, model_max_length: int) -> No
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 

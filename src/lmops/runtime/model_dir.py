@@ -33,7 +33,12 @@ if TYPE_CHECKING:
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 GENERATION_FILE = "generation_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG_FILE)
+# Where transformers (>= 4.43) saves a chat template; older directories keep it as
+# tokenizer_config.json's "chat_template", which the pipeline writes.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 META_FILE = "lmops.json"
 MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE, *TOKENIZER_FILES)
 # An export (production_service/model) holds versions `.v-<hex>/` and the link `.current`
@@ -165,6 +170,39 @@ def sampling_defaults(
         return SamplingParams.from_generation_config(generation, **fields)
     except ValueError as exc:
         raise LmopsError(f"{Path(directory) / GENERATION_FILE}: {exc}") from None
+
+
+def read_chat_template(directory: str | Path) -> str | None:
+    """The directory's chat template (chat_template.jinja, else tokenizer_config.json's
+    "chat_template"); None when it has none."""
+    directory = Path(directory)
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        return (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    template = read_tokenizer_config(directory).get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise LmopsError(
+            f"{Path(directory) / TOKENIZER_CONFIG_FILE}: chat_template must be a string (one template)"
+        )
+    return template
+
+
+def read_tokenizer_config(directory: str | Path) -> dict:
+    """tokenizer_config.json ({} when there is none)."""
+    path = Path(directory) / TOKENIZER_CONFIG_FILE
+    return read_json_object(path, "tokenizer config") if path.is_file() else {}
+
+
+def special_tokens(directory: str | Path) -> dict[str, str]:
+    """The special tokens a chat template sees (bos_token, eos_token, ...), as transformers
+    passes them: tokenizer_config.json's, as strings."""
+    config = read_tokenizer_config(directory)
+    out = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value  # an AddedToken's form
+        if isinstance(value, str):
+            out[key] = value
+    return out
 
 
 def eos_token_ids(directory: str | Path, config_eos: int | None) -> list[int]:

@@ -27,7 +27,7 @@ from lmops.runtime.engine.sampling import apply_penalties, sample
         ("presence_penalty", 2.5, "[-2, 2]"),
         ("frequency_penalty", -3, "[-2, 2]"),
         ("repetition_penalty", 0, "(0, 2]"),
-        ("max_tokens", 0, ">= 1"),
+        ("max_tokens", -1, ">= 0"),
         ("stop", ["ok", ""], "non-empty"),
         ("stop", 5, "non-empty"),
         ("stop_token_ids", [-1], "token ids"),

@@ -190,7 +190,7 @@ class LLMEngine:
             next(self._seq_ids),
             req,
             0,
-            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens),
             self._generator(req.params.seed, 0),
         )
         seq.pending_forks = req.params.n - 1
@@ -266,14 +266,20 @@ class LLMEngine:
                     ready.append(seq)
             rows, targets = [], []
             for j, seq in enumerate(ready):
+                if seq.request.max_tokens == 0:  # prompt log-probs only: nothing to sample
+                    for s in (seq, *self._fork(seq)):
+                        s.finish_prompt_only()
+                        self.scheduler.remove(s)
+                        touched.setdefault(s.request.request_id, s.request)
+                    continue
                 rows.append(j)
                 targets.append(seq)
                 for child in self._fork(seq):
                     rows.append(j)
                     targets.append(child)
-            if len(rows) != len(ready):
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            result = sample(logits, targets) if targets else None
+            if rows != list(range(len(ready))):
+                logits = logits[torch.tensor(rows, device=logits.device, dtype=torch.long)]
+            result = sample(logits, targets, self.eos_token_ids) if targets else None
             t = now()
             counts: dict[str, int] = {}
             for k, seq in enumerate(targets):
@@ -283,8 +289,8 @@ class LLMEngine:
                     self.scheduler.remove(seq)
                 touched.setdefault(req.request_id, req)
                 counts[req.request_id] = counts.get(req.request_id, 0) + 1
-            for rid, req in touched.items():
-                self.metrics.on_tokens(req.metrics, t, counts[rid])
+            for rid, count in counts.items():
+                self.metrics.on_tokens(touched[rid].metrics, t, count)
         outputs = []
         for rid, req in touched.items():
             if req.finished:

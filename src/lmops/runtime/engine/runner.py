@@ -309,7 +309,7 @@ class ModelRunner:
         input_ids, positions, attn, last = self.prepare(seqs, num_new)
         with sdpa_kernel(_SDPA_BACKENDS):
             h = self.forward(input_ids, positions, attn)
-        if any(s.score_prompt for s in seqs):
+        if any(s.scoring for s in seqs):
             self._score_prompts(h, seqs, num_new, last)
         want = [last[i] for i, s in enumerate(seqs) if s.num_computed_tokens + num_new[i] == s.num_tokens]
         if not want:
@@ -323,34 +323,45 @@ class ModelRunner:
     def _score_prompts(
         self, h: torch.Tensor, seqs: list[Sequence], num_new: list[int], last: dict[int, int]
     ) -> None:
-        """The drift signal, riding on the prefill: for each sequence flagged `score_prompt`,
-        add the NLL of the prompt tokens that this step's rows predict to `seq.prompt_nll`.
-        Only those rows go through the LM head (in slices, bounding the logits' memory)."""
-        rows, targets, owner, flagged = [], [], [], []
+        """The prompt's log-probs, riding on the prefill: for each sequence that is `scoring`,
+        the log-prob of every prompt token this step's rows predict, summed into
+        `seq.prompt_nll` (the drift signal) and, with prompt_logprobs asked, appended to the
+        request's `prompt_logprobs` with its rank and top alternatives. Only those rows go
+        through the LM head (in slices, bounding the logits' memory)."""
+        rows, targets, spans = [], [], []
         for i, s in enumerate(seqs):
             start = s.num_computed_tokens
             lo, hi = max(start, s.num_scored), min(start + num_new[i], s.num_prompt_tokens - 1)
-            if not s.score_prompt or lo >= hi:
+            if not s.scoring or lo >= hi:
                 continue
             first = last[i] - num_new[i] + 1  # the row of position `start`
+            spans.append((s, len(rows), hi - lo))
             rows.extend(range(first + lo - start, first + hi - start))
             targets.extend(s.token_ids[lo + 1 : hi + 1])
-            owner.extend([len(flagged)] * (hi - lo))
-            flagged.append(s)
             s.num_scored = hi
         if not rows:
             return
+        k = max(s.request.params.prompt_logprobs or 0 for s, _, _ in spans)
         rows_t, targets_t = torch.tensor(rows, device=self.device), torch.tensor(targets, device=self.device)
-        nll = torch.cat(
-            [
-                F.cross_entropy(
-                    self._logits(h[rows_t[k : k + 512]]), targets_t[k : k + 512], reduction="none"
-                )
-                for k in range(0, len(rows), 512)
-            ]
-        )
-        sums = torch.zeros(len(flagged), device=self.device).index_add_(
-            0, torch.tensor(owner, device=self.device), nll
-        )
-        for s, total in zip(flagged, sums.tolist(), strict=True):
-            s.prompt_nll += total
+        chosen, ranks, top_vals, top_ids = [], [], [], []
+        for a in range(0, len(rows), 512):
+            logprobs = torch.log_softmax(self._logits(h[rows_t[a : a + 512]]), -1)
+            lp = logprobs.gather(1, targets_t[a : a + 512, None])
+            chosen.append(lp[:, 0])
+            ranks.append((logprobs > lp).sum(-1) + 1)
+            if k:
+                v, t = logprobs.topk(k, -1)
+                top_vals.append(v)
+                top_ids.append(t)
+        chosen_l, ranks_l = torch.cat(chosen).tolist(), torch.cat(ranks).tolist()
+        if k:
+            top_vals, top_ids = torch.cat(top_vals).tolist(), torch.cat(top_ids).tolist()
+        for s, at, n in spans:
+            if s.score_prompt:
+                s.prompt_nll -= sum(chosen_l[at : at + n])
+            out, want = s.request.prompt_logprobs, s.request.params.prompt_logprobs
+            if out is None:
+                continue
+            for j in range(at, at + n):
+                top = dict(zip(top_ids[j][:want], top_vals[j][:want], strict=True)) if want else {}
+                out.append({"token_id": targets[j], "logprob": chosen_l[j], "rank": ranks_l[j], "top": top})

@@ -1,6 +1,6 @@
 """Sampling parameters, validated on construction, and the batched sampler.
 
-The sampler follows vLLM's order: penalties -> temperature -> min_p -> top_k -> top_p ->
+The sampler follows vLLM's order: logit bias and min_tokens -> penalties -> temperature -> min_p -> top_k -> top_p ->
 draw. A draw is `argmax(p / q)` with q ~ Exp(1) (the "exponential race", an exact
 sample from p); a seeded request takes its q from its own generator, so its tokens
 do not depend on what else shares the batch. Logprobs are those of the raw model
@@ -64,12 +64,15 @@ RANGES = {
     "presence_penalty": Range(-2, 2),
     "frequency_penalty": Range(-2, 2),
     "repetition_penalty": Range(0, 2, lo_open=True),
-    "max_tokens": Range(1, integer=True),
+    "max_tokens": Range(0, integer=True, text="an integer >= 0 (0: only the prompt's log-probs)"),
     "seed": Range(-SEED_BOUND, SEED_BOUND - 1, integer=True, text="a 64-bit signed integer"),
     "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "min_tokens": Range(0, integer=True),
 }
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound
 # None means: up to the context (max_tokens), no seed (a fresh draw), no log-probs.
-OPTIONAL = {"max_tokens", "seed", "logprobs"}
+OPTIONAL = {"max_tokens", "seed", "logprobs", "prompt_logprobs"}
 
 
 @dataclass
@@ -87,7 +90,16 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    # Log-probs of the prompt's tokens (each with its rank and this many top alternatives),
+    # computed in the prefill; such a prompt is prefilled whole, not from the prefix cache.
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
+    # vLLM's: no EOS or stop token, and no stop string, before this many tokens.
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # in the output text
+    # OpenAI's: token id -> a bias in [-100, 100] added to its logit before sampling.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, allowed: str) -> None:
@@ -119,7 +131,21 @@ class SamplingParams:
             "a list of token ids (integers >= 0)",
         )
         self.stop_token_ids = list(self.stop_token_ids or [])
-        need(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            need(isinstance(getattr(self, flag), bool), flag, "a bool")
+        need(
+            self.logit_bias is None
+            or (
+                isinstance(self.logit_bias, dict)
+                and all(
+                    _is_int(t) and t >= 0 and _is_num(b) and abs(b) <= MAX_LOGIT_BIAS
+                    for t, b in self.logit_bias.items()
+                )
+            ),
+            "logit_bias",
+            f"a map of token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )
+        self.logit_bias = dict(self.logit_bias or {})
 
     @classmethod
     def from_generation_config(cls, generation: dict, **overrides) -> SamplingParams:
@@ -233,11 +259,34 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return best * 64 + chunks[torch.arange(N), best].argmax(-1)
 
 
-def sample(logits: torch.Tensor, seqs: list[SampleInput]) -> SampleResult:
+def apply_biases(
+    logits: torch.Tensor, seqs: list[SampleInput], eos_token_ids: frozenset[int]
+) -> torch.Tensor:
+    """logit_bias added; under min_tokens, the stop token ids (and EOS, unless ignored) made impossible."""
+    entries = []  # (row, token id, value)
+    for i, s in enumerate(seqs):
+        p = s.params
+        entries += [(i, t, b) for t, b in p.logit_bias.items()]
+        if p.min_tokens and len(s.output_token_ids) < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+            entries += [(i, t, -math.inf) for t in stops]
+    entries = [e for e in entries if e[1] < logits.shape[1]]
+    if not entries:
+        return logits
+    rows, cols, values = zip(*entries, strict=True)
+    dev = logits.device
+    index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
+
+
+def sample(
+    logits: torch.Tensor, seqs: list[SampleInput], eos_token_ids: frozenset[int] = frozenset()
+) -> SampleResult:
     """One token per row of `logits` (N, V); row i belongs to `seqs[i]`."""
     logits = logits.float()
     params = [s.params for s in seqs]
     raw_logprobs = torch.log_softmax(logits, -1) if any(p.logprobs is not None for p in params) else None
+    logits = apply_biases(logits, seqs, eos_token_ids)
     logits = apply_penalties(logits, seqs)
     greedy = [p.greedy for p in params]
     if all(greedy):

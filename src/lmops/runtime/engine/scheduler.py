@@ -77,9 +77,9 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + 1 + seq.pending_forks > self.max_num_seqs:
                 break
-            # A prompt being scored (the drift signal) is prefilled whole: cached blocks hold
-            # K/V, not the log-probs it needs. (It still caches its blocks for others.)
-            hits, hashes = ([], []) if seq.score_prompt else self.bm.match_prefix(seq.token_ids)
+            # A prompt being scored (drift signal, prompt log-probs) is prefilled whole: cached
+            # blocks hold K/V, not the log-probs it needs. (It still caches its blocks for others.)
+            hits, hashes = ([], []) if seq.scoring else self.bm.match_prefix(seq.token_ids)
             cached = len(hits) * self.bm.block_size
             n = min(seq.num_tokens - cached, budget)
             copies = self.bm.allocate(seq, cached + n, hits, hashes)

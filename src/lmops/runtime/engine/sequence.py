@@ -31,15 +31,15 @@ class IncrementalDetokenizer:
     byte sequence) it waits for the next token. `flush` emits whatever is left.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
-        self.tok = tokenizer
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tok, self.skip = tokenizer, skip_special_tokens
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix = 0
         self.read = len(self.ids)
 
     def _window(self) -> tuple[str, str]:
-        done = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        full = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        done = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip)
+        full = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=self.skip)
         return done, full
 
     def add(self, token_id: int) -> str:
@@ -57,7 +57,13 @@ class IncrementalDetokenizer:
 
     def copy(self) -> IncrementalDetokenizer:
         new = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
-        new.tok, new.ids, new.prefix, new.read = self.tok, list(self.ids), self.prefix, self.read
+        new.tok, new.skip, new.ids, new.prefix, new.read = (
+            self.tok,
+            self.skip,
+            list(self.ids),
+            self.prefix,
+            self.read,
+        )
         return new
 
 
@@ -107,9 +113,12 @@ class Sequence:
         self.logprobs: list[dict] | None = [] if request.params.logprobs is not None else None
         self.sent_text = 0  # what the previous RequestOutput carried
         self.sent_tokens = 0
-        # Drift signal: while `score_prompt`, the runner adds the NLL (nats) of the prompt
-        # tokens its rows predict (position p predicts token p + 1) to `prompt_nll`;
-        # positions < `num_scored` are already counted (a recompute after preemption skips them).
+        # The prompt's own log-probs, riding on its prefill (runner._score_prompts): while
+        # `scoring`, the runner takes the log-prob of each prompt token its rows predict
+        # (position p predicts token p + 1), adding the NLL (nats) to `prompt_nll` for the
+        # drift signal when `score_prompt`, and appending entries to the request's
+        # `prompt_logprobs` when asked; positions < `num_scored` are done (a recompute after
+        # preemption skips them).
         self.score_prompt = False
         self.prompt_nll = 0.0
         self.num_scored = 0
@@ -134,6 +143,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def scoring(self) -> bool:
+        """Prompt positions still to go through the LM head. Such a sequence is prefilled
+        whole: cached prefix blocks hold K/V, not the log-probs it needs."""
+        wanted = self.score_prompt or self.request.prompt_logprobs is not None
+        return wanted and self.num_scored < self.num_prompt_tokens - 1
+
     def fork(self, seq_id: int, index: int, generator: torch.Generator | None) -> Sequence:
         """A sibling completion at the same point, sharing (by reference) the KV blocks."""
         child = Sequence(seq_id, self.request, index, self.detok.copy(), generator)
@@ -142,15 +158,17 @@ class Sequence:
         child.block_table = list(self.block_table)
         child.block_hashes = list(self.block_hashes)
         child.status = self.status
+        child.num_scored = self.num_scored  # the prompt is scored once, by the first sequence
         return child
 
     def append(self, token_id: int, logprob: dict | None, eos_ids: frozenset[int], max_tokens: int) -> None:
-        """Record a sampled token: text, stop strings, stop tokens, length limit."""
+        """Record a sampled token: text, stop strings, stop tokens (none before min_tokens), length limit."""
         p = self.params
         self.token_ids.append(token_id)
         if self.logprobs is not None:
             self.logprobs.append(logprob)
-        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in eos_ids):
+        may_stop = self.num_output_tokens >= p.min_tokens  # (the sampler also masks stop tokens until then)
+        if may_stop and (token_id in p.stop_token_ids or (not p.ignore_eos and token_id in eos_ids)):
             self.text += self.detok.flush()  # the stop token's own text is not part of the output
             self._finish("stop", token_id)
             return
@@ -158,16 +176,20 @@ class Sequence:
         self.text += self.detok.add(token_id)
         if self.num_output_tokens >= max_tokens:
             self.text += self.detok.flush()
-        for s in p.stop:
+        for s in p.stop if may_stop else ():
             at = self.text.find(s, max(0, start - len(s) + 1))
             if at >= 0:
-                self.text = self.text[:at]
+                self.text = self.text[: at + len(s) if p.include_stop_str_in_output else at]
                 self._finish("stop", s)
                 return
         if self.num_output_tokens >= max_tokens:
             self._finish("length", None)
             return
         self.visible = len(self.text) - held_back(self.text, self.visible, p.stop)
+
+    def finish_prompt_only(self) -> None:
+        """max_tokens 0: the prefill (and its prompt log-probs) was all that was asked."""
+        self._finish("length", None)
 
     def _finish(self, reason: str, stop_reason: str | int | None) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason
@@ -189,6 +211,9 @@ class Request:
         self.params, self.max_tokens = params, max_tokens
         self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.seqs: list[Sequence] = []
+        # vLLM's prompt_logprobs: None for the first token (nothing predicts it), then one
+        # {"token_id", "logprob", "rank", "top"} per prompt token; complete once prefilled.
+        self.prompt_logprobs: list[dict | None] | None = None if params.prompt_logprobs is None else [None]
         self.aborted = False
         self.final_only = False  # generate() needs no intermediate outputs: skip building them
 
@@ -217,6 +242,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)
+    prompt_logprobs: list[dict | None] | None = None
 
     # The first completion's fields, for the common n == 1 case.
     @property
@@ -250,6 +276,15 @@ def make_output(req: Request) -> RequestOutput:
             )
         )
         s.sent_text, s.sent_tokens = s.visible, len(ids)
+    plp = req.prompt_logprobs
+    # Complete lists only; a complete one is never written again, so it is shared, not copied.
+    plp = plp if plp is not None and len(plp) == len(req.prompt_token_ids) else None
     return RequestOutput(
-        req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.finished, copy.copy(req.metrics)
+        req.request_id,
+        req.prompt,
+        list(req.prompt_token_ids),
+        outs,
+        req.finished,
+        copy.copy(req.metrics),
+        plp,
     )
