@@ -160,11 +160,12 @@ def submit(runtime, body, stats: RequestStats, prompts: list[tuple[str, list[int
     except QueueFullError:
         raise queue_full() from None
     except PromptTooLongError as exc:
+        chat = hasattr(body, "messages")
         raise APIError(
             400,
-            f"{exc}; shorten it or set truncate_prompt_tokens.",
+            f"{exc}; shorten {'the messages' if chat else 'it or set truncate_prompt_tokens'}.",
             code="context_length_exceeded",
-            param="prompt",
+            param="messages" if chat else "prompt",
         ) from None
     except ValueError as exc:
         param = "n" if str(exc).startswith("n ") else "prompt"

@@ -161,9 +161,12 @@ def request_models(limits: Limits) -> RequestModels:
             None, description="Leave special tokens out of the text (vLLM extra; default true)."
         )
         logit_bias: (
-            dict[
-                Annotated[str, Field(pattern=r"^[0-9]+$")],
-                Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)],
+            Annotated[
+                dict[
+                    Annotated[str, Field(pattern=r"^[0-9]+$")],
+                    Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)],
+                ],
+                Field(json_schema_extra={"additionalProperties": False}),
             ]
             | None
         ) = Field(None, description="Token id -> bias added to its logit.")

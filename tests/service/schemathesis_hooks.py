@@ -32,12 +32,22 @@ def cheap(body: dict) -> dict:
     messages = body.get("messages")
     if isinstance(messages, list):
         body["messages"] = [
-            {**m, "content": m["content"][:40]}
-            if isinstance(m, dict) and isinstance(m.get("content"), str)
-            else m
+            {**m, "content": _short(m["content"])} if isinstance(m, dict) and "content" in m else m
             for m in messages[:4]
         ]
     return body
+
+
+def _short(content):
+    """A message's content cut to 40 characters: a string, or its first text parts."""
+    if isinstance(content, str):
+        return content[:40]
+    if isinstance(content, list):
+        return [
+            {**p, "text": p["text"][:20]} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+            for p in content[:2]
+        ]
+    return content
 
 
 @schemathesis.hook
