@@ -18,7 +18,7 @@ def stdlib_lines(max_bytes: int) -> list[str]:
     """Non-blank source lines of the standard library: a corpus with one record per line."""
     lines, size = [], 0
     for _, load in stdlib_files():
-        for line in load().decode().splitlines():
+        for line in load().read().decode().splitlines():
             if line.strip():
                 lines.append(line + "\n")
                 size += len(line) + 1
