@@ -82,7 +82,7 @@ def reconcile(cfg: PromoteConfig, model_dir: Path, just_promoted: bool = False) 
         # was stale (a promotion killed between its steps, a deleted or hand-edited export).
         level = logging.INFO if just_promoted else logging.WARNING
         log.log(
-            level, "%s holds %s, not @%s v%s: exporting it", export_dir, what, cfg.alias, champion.version
+            level, "%s holds %s, not @%s v%s: re-exporting", export_dir, what, cfg.alias, champion.version
         )
     tags = champion.tags or {}
     local = read_meta(model_dir)
