@@ -31,7 +31,7 @@ from tqdm import tqdm
 from lmops import atomic
 from lmops.errors import LmopsError
 from lmops.pipeline.params import DataConfig, SplitConfig
-from lmops.pipeline.paths import DATA_REPORT_FILE, PROCESSED_DIR, RAW_DIR
+from lmops.pipeline.paths import DATA_REPORT_FILE, PROCESSED_DIR, RAW_DIR, THROUGHPUT_FILE
 from lmops.pipeline.sources import STDLIB, SourceFile, list_files, read_file, stdlib_origin
 
 log = logging.getLogger(__name__)
@@ -230,8 +230,6 @@ def get_data(cfg: DataConfig, out_dir: Path = RAW_DIR) -> dict:
         "undecodable_sequences_replaced": counts["replaced"],
         "max_bytes": cfg.max_bytes,
         "capped": cap.cut,
-        "seconds": round(seconds, 2),
-        "mb_per_s": round(n_bytes / 1e6 / max(seconds, 1e-9), 2),
     }
     atomic.write_json(out_dir / "manifest.json", manifest)
     log.info(
@@ -241,9 +239,18 @@ def get_data(cfg: DataConfig, out_dir: Path = RAW_DIR) -> dict:
         len(read),
         n_bytes,
         manifest["sha256"][:12],
-        manifest["mb_per_s"],
+        record_throughput("get_data", seconds, n_bytes),
     )
     return manifest
+
+
+def record_throughput(stage: str, seconds: float, n_bytes: int) -> float:
+    """Note a stage's seconds and MB/s in artifacts/throughput.json (see paths.THROUGHPUT_FILE); its MB/s."""
+    mb_per_s = round(n_bytes / 1e6 / max(seconds, 1e-9), 2)
+    done = json.loads(THROUGHPUT_FILE.read_text()) if THROUGHPUT_FILE.is_file() else {}
+    done[stage] = {"seconds": round(seconds, 2), "mb_per_s": mb_per_s}
+    atomic.write_json(THROUGHPUT_FILE, done)
+    return mb_per_s
 
 
 def doc_offsets(raw_dir: Path = RAW_DIR) -> np.ndarray:
@@ -407,8 +414,6 @@ def split(
                 out.write(b"".join(docs))
     seconds = time.perf_counter() - started
     report = data_report(raw_dir, sizes, first, cfg, stats)
-    report["throughput"] = {"split_seconds": round(seconds, 2)}
-    report["throughput"]["split_mb_per_s"] = round(report["bytes"] / 1e6 / max(seconds, 1e-9), 2)
     atomic.write_json(report_path, report)
     log.info(
         "split (%s): %s; %d duplicate(s) merged, %d of them dropped from a later split; %.1f MB/s",
@@ -416,7 +421,7 @@ def split(
         stats,
         report["duplicates_merged"],
         report["duplicates_dropped"],
-        report["throughput"]["split_mb_per_s"],
+        record_throughput("split", seconds, report["bytes"]),
     )
     return report
 

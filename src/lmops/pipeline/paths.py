@@ -20,3 +20,6 @@ TRAIN_LOG_FILE = Path("artifacts/plots/train_log.csv")
 METRICS_FILE = Path("artifacts/metrics.json")
 SAMPLES_FILE = Path("artifacts/samples.md")
 PROMOTION_FILE = Path("artifacts/promotion.json")
+# Seconds and MB/s of the data stages: beside their DVC outputs, never inside them (a
+# timing differs every run, and in a tracked output it would make DVC rerun what follows).
+THROUGHPUT_FILE = Path("artifacts/throughput.json")

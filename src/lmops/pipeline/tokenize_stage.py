@@ -35,7 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lmops import atomic, crash_points
 from lmops.errors import LmopsError
-from lmops.pipeline.data import READ_BYTES, SPLITS, progress
+from lmops.pipeline.data import READ_BYTES, SPLITS, progress, record_throughput
 from lmops.pipeline.params import TokenizerConfig
 from lmops.pipeline.paths import PROCESSED_DIR, TOKENIZER_DIR, TOKENS_DIR
 from lmops.runtime.tokenizer import CHUNK_CHARS, SPECIAL_TOKENS, load_tokenizer
@@ -228,9 +228,8 @@ def encode_splits(
                 tmp, f"{name}-{part:03d}", encode_chunks(tok, chunks, dtype, bar), shard_tokens
             )
             index["splits"][name] = {"tokens": sum(s["tokens"] for s in shards), "shards": shards}
-        index["seconds"] = round(time.perf_counter() - started, 2)
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return index
+    return {**index, "seconds": time.perf_counter() - started}  # the time not in the file
 
 
 def merge(part_dirs: list[Path], out_dir: Path) -> dict:
@@ -253,7 +252,6 @@ def merge(part_dirs: list[Path], out_dir: Path) -> dict:
         }
         for name in SPLITS
     }
-    index["seconds"] = max(i["seconds"] for i in indexes)
     atomic.remove_stale(out_dir)
     with atomic.directory(out_dir) as tmp:
         for d, i in zip(part_dirs, indexes, strict=True):
@@ -348,8 +346,9 @@ def train_and_save(cfg: TokenizerConfig, max_seq_len: int, data_dir: Path, out_d
         "dtype": token_dtype(tok.get_vocab_size()).name,
         "trained_on_bytes": sample.bytes,
         "train_split_bytes": paths["train"].stat().st_size,
-        "training_seconds": round(time.perf_counter() - started, 2),
     }
+    seconds = time.perf_counter() - started
+    record_throughput("tokenizer_training", seconds, sample.bytes)
     atomic.remove_stale(out_dir)
     with atomic.directory(out_dir) as tmp:
         save_tokenizer(tok, tmp, max_seq_len)
@@ -359,7 +358,7 @@ def train_and_save(cfg: TokenizerConfig, max_seq_len: int, data_dir: Path, out_d
         stats["vocab_size"],
         stats["trained_on_bytes"],
         stats["train_split_bytes"],
-        stats["training_seconds"],
+        seconds,
     )
     return stats
 
@@ -379,8 +378,9 @@ def write_stats(out_dir: Path, stats: dict, index: dict, data_dir: Path) -> dict
             "bytes_per_token": round(size / entry["tokens"], 4),
             "shards": len(entry["shards"]),
         }
-    stats["encoding_seconds"] = index["seconds"]
-    stats["encoding_mb_per_s"] = round(n_bytes / 1e6 / max(index["seconds"], 1e-9), 2)
     atomic.write_json(out_dir / "stats.json", stats)
-    log.info("tokens: %s; %.1f MB/s", stats["splits"], stats["encoding_mb_per_s"])
+    if "seconds" in index:  # encoded here, not merged from parts encoded elsewhere
+        log.info(
+            "tokens: %s; %.1f MB/s", stats["splits"], record_throughput("tokenize", index["seconds"], n_bytes)
+        )
     return stats

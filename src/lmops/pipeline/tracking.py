@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lmops.errors import LmopsError
 from lmops.pipeline.params import MlflowConfig, Params
-from lmops.pipeline.paths import DATA_REPORT_FILE, MANIFEST_FILE, TOKENIZER_DIR, TOKENS_DIR
+from lmops.pipeline.paths import DATA_REPORT_FILE, THROUGHPUT_FILE, TOKENIZER_DIR, TOKENS_DIR
 from lmops.runtime.model_dir import sampling_defaults
 
 log = logging.getLogger(__name__)
@@ -166,11 +166,10 @@ def log_data_report(run_id: str, path: Path = DATA_REPORT_FILE) -> None:
         "data_tokens": sum(s["tokens"] for s in splits) if splits else None,
         "data_shards": sum(len(s["shards"]) for s in splits) if splits else None,
         "data_tokenizer_trained_on_bytes": stats.get("trained_on_bytes"),
-        "data_get_data_mb_per_s": _json(MANIFEST_FILE).get("mb_per_s"),
-        "data_split_mb_per_s": report.get("throughput", {}).get("split_mb_per_s"),
-        "data_tokenize_seconds": index.get("seconds"),
-        "data_tokenize_mb_per_s": report["bytes"] / 1e6 / index["seconds"] if index.get("seconds") else None,
     }
+    throughput = _json(THROUGHPUT_FILE)
+    for stage in ("get_data", "split", "tokenize"):
+        metrics[f"data_{stage}_mb_per_s"] = throughput.get(stage, {}).get("mb_per_s")
     log_metrics(run_id, metrics)
 
 
