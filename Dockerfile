@@ -71,7 +71,7 @@ RUN torch=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path(
     && find "$torch/bin" -type f ! -name torch_shm_manager -delete
 # The runtime half of lmops only; its `lmops` command (the pipeline's) goes with the rest.
 COPY pyproject.toml README.md ./
-COPY src/lmops/__init__.py src/lmops/errors.py src/lmops/atomic.py src/lmops/
+COPY src/lmops/__init__.py src/lmops/errors.py src/lmops/atomic.py src/lmops/crash_points.py src/lmops/
 COPY src/lmops/runtime/ src/lmops/runtime/
 RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
     --mount=type=secret,id=ca.crt \

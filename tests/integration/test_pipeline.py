@@ -6,6 +6,7 @@ story on it and run in file order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -262,7 +263,7 @@ def test_a_brief_lock_is_waited_out(project):
         )
         db = os.path.realpath(project / "mlflow.db")
         deadline = time.monotonic() + 120
-        while db not in {os.path.realpath(f"/proc/{proc.pid}/fd/{fd}") for fd in _fds(proc.pid)}:
+        while db not in _open_files(proc.pid):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
         time.sleep(2)  # promote is now waiting on the lock
@@ -274,11 +275,17 @@ def test_a_brief_lock_is_waited_out(project):
     assert "is already @champion" in stderr
 
 
-def _fds(pid: int) -> list[str]:
+def _open_files(pid: int) -> set[str]:
+    """The files `pid` has open now; a descriptor closed while we look is skipped."""
+    found = set()
     try:
-        return os.listdir(f"/proc/{pid}/fd")
+        fds = os.listdir(f"/proc/{pid}/fd")
     except FileNotFoundError:
-        return []
+        return found
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            found.add(os.path.realpath(f"/proc/{pid}/fd/{fd}", strict=True))
+    return found
 
 
 def test_push_and_pull_through_a_local_remote(project, tmp_path):
