@@ -159,14 +159,11 @@ def sampling_defaults(
 ) -> SamplingParams:
     """The sampling the model asks for: its generation_config.json, with `overrides`
     (generation-config keys: a deployment's LMOPS_GENERATION_CONFIG) on top of the file and
-    `fields` (SamplingParams fields: a caller's explicit choices) on top of both. With no
-    generation config at all, SamplingParams' own defaults (vLLM's: temperature 1)."""
+    `fields` (SamplingParams fields: a caller's explicit choices) on top of both."""
     from lmops.runtime.engine.sampling import SamplingParams
 
     generation = {**read_generation_config(directory), **(overrides or {})}
     try:
-        if not generation:
-            return SamplingParams(**fields)
         return SamplingParams.from_generation_config(generation, **fields)
     except ValueError as exc:
         raise LmopsError(f"{Path(directory) / GENERATION_FILE}: {exc}") from None

@@ -151,7 +151,10 @@ class SamplingParams:
     def from_generation_config(cls, generation: dict, **overrides) -> SamplingParams:
         """The sampling a generation config asks for (temperature, top_k, top_p, and
         max_new_tokens as max_tokens; greedy when do_sample is false, as in transformers),
-        `overrides` (SamplingParams fields) on top."""
+        `overrides` (SamplingParams fields) on top. No generation config at all ({}): these
+        defaults (vLLM's: temperature 1), for every door alike."""
+        if not generation:
+            return cls(**overrides)
         found = {
             field: generation[key]
             for key, field in GENERATION_KEYS.items()
