@@ -181,6 +181,25 @@ def test_random_split_is_deterministic_disjoint_and_complete(tmp_path):
     assert list(other["test"]) != list(again["test"])
 
 
+def test_a_split_made_lopsided_by_one_huge_document_is_a_warning_with_the_fix(tmp_path, caplog):
+    small = [f"doc {i}\n\n" for i in range(40)]
+    cfg = SplitConfig(val_fraction=0.1, test_fraction=0.1, seed=0)
+    write_corpus(tmp_path / "raw", small)
+    with caplog.at_level("WARNING", logger="lmops.pipeline.data"):
+        split(cfg, 1, tmp_path / "raw", tmp_path / "out", tmp_path / "report.json")
+    assert not caplog.records  # documents of one size: the shares follow the fractions
+    huge = "x" * 200 + "\n"
+    write_corpus(tmp_path / "raw", small + [huge * 100 + "\n"])  # one record 98% of the bytes
+    with caplog.at_level("WARNING", logger="lmops.pipeline.data"):
+        report = split(cfg, 1, tmp_path / "raw", tmp_path / "out", tmp_path / "report.json")
+    shares = " / ".join(f"{n} {100 * report['split'][n]['bytes'] / report['bytes']:.1f}%" for n in ("train", "val", "test"))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the splits hold {shares} of the corpus bytes, not 80% / 10% / 10%: splits are drawn by document "
+        "and the largest document is 98.5% of the corpus; cut documents smaller with "
+        "data.document_unit: chunk (and data.chunk_bytes)"
+    ]
+
+
 def test_tail_split_cuts_source_order_at_byte_fractions(tmp_path):
     docs = [f"doc {i:03d}\n" + "x" * (i % 7) + "\n\n" for i in range(300)]
     write_corpus(tmp_path / "raw", docs)

@@ -94,6 +94,22 @@ def test_directory_and_globs_read_sorted_files(tmp_path):
     assert manifest["files"] == [(corpus / "sub/c.txt").as_uri()]
 
 
+def test_directory_symlinks_are_followed_once_and_broken_ones_named(tmp_path):
+    corpus, shared = tmp_path / "corpus", tmp_path / "shared"
+    (corpus / "own").mkdir(parents=True)
+    shared.mkdir()
+    (corpus / "own/a.txt").write_text("own text\n")
+    (shared / "b.txt").write_text("shared text\n")
+    (corpus / "linked").symlink_to(shared)  # a directory assembled from links
+    (corpus / "again").symlink_to(shared)  # the same directory twice: read once
+    (shared / "loop").symlink_to(corpus)  # a loop ends
+    manifest = get(tmp_path, corpus)
+    assert manifest["files"] == [str(corpus / "again/b.txt"), str(corpus / "own/a.txt")]
+    (corpus / "gone").symlink_to(tmp_path / "missing")
+    with pytest.raises(LmopsError, match=r"broken symlink .*corpus/gone -> .*missing$"):
+        get(tmp_path, corpus)
+
+
 def test_relative_sources_are_listed_relative(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()

@@ -390,6 +390,7 @@ def split(
                     f"split {name!r} has {stats[name]['bytes']} bytes, too small to train on: each split "
                     f"needs at least model.max_seq_len + 2 = {min_bytes}; raise its fraction or add data"
                 )
+        warn_if_lopsided(stats, sizes, cfg)
         where = np.full(len(sizes), -1, dtype=np.int8)  # -1: a copy dropped from a later split
         for code, idx in enumerate(parts.values()):
             where[idx] = code
@@ -424,6 +425,25 @@ def split(
         record_throughput("split", seconds, report["bytes"]),
     )
     return report
+
+
+def warn_if_lopsided(stats: dict, sizes: np.ndarray, cfg: SplitConfig) -> None:
+    """Splits are drawn by document, so a few huge documents (one 2 MB JSONL record
+    among small ones) can put most of the bytes in one split: say so, with the fix,
+    when a split holds under half or over twice its share of the bytes."""
+    total = int(sizes.sum())
+    wanted = {"train": 1 - cfg.val_fraction - cfg.test_fraction, "val": cfg.val_fraction, "test": cfg.test_fraction}
+    shares = {name: stats[name]["bytes"] / total for name in wanted}
+    if all(abs(shares[n] - f) <= 0.05 or f / 2 <= shares[n] <= 2 * f for n, f in wanted.items()):
+        return
+    log.warning(
+        "the splits hold %s of the corpus bytes, not %s: splits are drawn by document and the "
+        "largest document is %.1f%% of the corpus; cut documents smaller with "
+        "data.document_unit: chunk (and data.chunk_bytes)",
+        " / ".join(f"{name} {100 * share:.1f}%" for name, share in shares.items()),
+        " / ".join(f"{100 * f:.0f}%" for f in wanted.values()),
+        100 * int(sizes.max()) / total,
+    )
 
 
 def data_report(raw_dir: Path, sizes: np.ndarray, first: np.ndarray, cfg: SplitConfig, stats: dict) -> dict:

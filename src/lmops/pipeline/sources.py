@@ -141,7 +141,8 @@ def list_files(source: str) -> list[tuple[str, Loader]]:
             paths = [p for p in fs.glob(path) if fs.isfile(p)]
             what = f"glob {source!r} matched no files"
         elif fs.isdir(path):
-            root, paths, what = path, fs.find(path), f"directory {source} has no files"
+            found = _local_files(path) if fs.protocol[0] == "file" else fs.find(path)
+            root, paths, what = path, found, f"directory {source} has no files"
         elif fs.isfile(path):
             root, paths, what = None, [path], ""  # named explicitly: read even if a dot file
         else:
@@ -170,6 +171,27 @@ def list_files(source: str) -> list[tuple[str, Loader]]:
             raise LmopsError(f"data.source: could not read {name(p)}: {exc}") from None
 
     return [(name(p), lambda p=p: load(p)) for p in paths]
+
+
+def _local_files(root: str) -> list[str]:
+    """Every file under a local directory, following symlinks to directories (a corpus
+    folder is often assembled from links), each directory once, so a loop ends and two
+    links to one directory read it once (by its first name in sorted order); a broken
+    link is an error that names it, not a file that fails to open later."""
+    files, seen = [], set()
+    for top, dirs, names in os.walk(root, followlinks=True):
+        dirs.sort()
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        for name in sorted(names):
+            path = os.path.join(top, name)
+            if not os.path.exists(path):
+                raise LmopsError(f"data.source: broken symlink {path} -> {os.readlink(path)}")
+            files.append(path)
+    return files
 
 
 def _hidden(rel: str) -> bool:
