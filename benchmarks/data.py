@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,21 +48,24 @@ def generate(path: Path, size: int, seed: int = 0) -> None:
 
 def run_stage(project: Path, stage: str) -> dict:
     """One stage as `lmops <stage>` in its own process: wall time and peak RSS."""
+    return run_measured([sys.executable, "-m", "lmops.pipeline.cli", stage], project)[0]
+
+
+def run_measured(cmd: list[str], cwd: Path) -> tuple[dict, str]:
+    """`cmd` in its own process: its wall time and peak RSS (os.wait4), and its stdout."""
     started = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmops.pipeline.cli", stage],
-        cwd=project,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    stderr = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status):
-        sys.exit(f"{stage} failed: {stderr.decode()[-2000:]}")
-    return {
+    with tempfile.TemporaryFile() as stderr:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=stderr)
+        stdout = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        if os.waitstatus_to_exitcode(status):
+            stderr.seek(0)
+            sys.exit(f"{cmd[-1][:60]!r} failed: {stderr.read().decode()[-2000:]}")
+    measured = {
         "seconds": round(time.perf_counter() - started, 2),
         "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
     }
+    return measured, stdout.decode()
 
 
 def raw_encode(project: Path) -> float:

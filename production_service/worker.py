@@ -12,6 +12,11 @@
   (a pause longer than `keepalive` ends it too), so the app only ever sees whole
   bodies (nginx's request buffering). A chunked body is read on its thread, cut
   at the deadline;
+- retries that come early: a connection refused with 429 that asks again before
+  its `Retry-After` is up is held, without a thread, until it is, then served if the
+  queue has room or refused again; so a client retrying every few milliseconds costs
+  about what a polite one does (a request parsed per `Retry-After`), not a parse and
+  a write each time, which take the GIL from the engine's loop;
 - the probe port: /health, /ready, /metrics and /openapi.json on their own
   listener with a thread per connection, so probes answer while every request
   thread is taken (the admin/inference split of production model servers); its
@@ -49,12 +54,14 @@ PROBE_READ_TIMEOUT_S = 5
 API_CHECK_TIMEOUT_S = 2
 
 
-QUEUED_PATHS = ("/v1/completions", "/predict")  # what the engine's queue takes
+QUEUED_PATHS = ("/v1/completions", "/v1/chat/completions", "/predict")  # what the engine's queue takes
+RETRY_AFTER_S = 1
 _QUEUE_FULL_BODY = json.dumps(
     error_body(429, "The server's queue is full; retry shortly.", "queue_full")
 ).encode()
 _QUEUE_FULL = (
-    "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+    f"Retry-After: {RETRY_AFTER_S}\r\n"
     f"Content-Length: {len(_QUEUE_FULL_BODY)}\r\n"
 ).encode()
 
@@ -69,6 +76,9 @@ class _PendingBody:
     data: bytearray
 
 
+_HOLD = object()  # handle()'s answer for a request held until its Retry-After is up
+
+
 class ThreadWorker(gthread.ThreadWorker):
     def load_wsgi(self):
         super().load_wsgi()
@@ -76,19 +86,23 @@ class ThreadWorker(gthread.ThreadWorker):
         self.header_timeout = config.header_timeout
         self.body_timeout = config.body_timeout
         self.max_body_bytes = config.max_body_bytes
+        self.held_conns = []  # early retries, each with its request and release time
         util.write_error = write_json_error  # every error page gunicorn writes goes through it
         if config.probe_port:
             start_probe_server(self.wsgi, config.host, config.probe_port, api_port=config.port)
 
     def handle(self, conn):
-        pending = getattr(conn, "body", None)
-        if pending is not None:  # the poller saw more of a body arrive
+        pending, held = getattr(conn, "body", None), getattr(conn, "held", None)
+        if pending is not None or held is not None:  # more of a body arrived, or a hold ended
+            conn.held = None
             try:
+                if held is not None:
+                    return self._keepalive_after(conn, self._dispatch(held, conn, was_held=True))
                 return self._keepalive_after(conn, self._gather(conn))
             except (StopIteration, OSError):  # the client left, or the response failed midway
                 return False
             except Exception as exc:
-                self.handle_error(pending.req, conn.sock, conn.client, exc)
+                self.handle_error(held or pending.req, conn.sock, conn.client, exc)
                 return False
         timer = threading.Timer(self.header_timeout, _cut, (conn.sock, self.header_timeout))
         timer.daemon = True
@@ -141,22 +155,36 @@ class ThreadWorker(gthread.ThreadWorker):
         pending.req.body = io.BytesIO(pending.data)  # wsgi.input: the app reads from memory
         return self._dispatch(pending.req, conn)
 
-    def _dispatch(self, req, conn):
+    def _dispatch(self, req, conn, was_held: bool = False):
         """The request to the app; or, for a completion while the queue is full, the 429
-        written from here: a client retrying every few milliseconds then costs a parse
-        and a write, not the app's request handling, which would take the GIL from the
-        engine's loop. Counted on /metrics like any request; not access-logged one by one
-        (a retry storm would flood the log)."""
+        written from here (a parse and a write, not the app's request handling), or,
+        for a retry before the last 429's Retry-After is up, a hold until it is.
+        Counted on /metrics like any request; not access-logged one by one (a retry
+        storm would flood the log)."""
         if req.method == "POST" and req.path in QUEUED_PATHS and self._queue_full(req):
+            now = time.monotonic()
+            refused_at = getattr(conn, "refused_at", None)
+            if not was_held and self.alive and refused_at is not None and now < refused_at + RETRY_AFTER_S:
+                conn.held, conn.release_at = req, refused_at + RETRY_AFTER_S
+                return _HOLD
             started = time.perf_counter()
             close = req.should_close()
             util.write(
                 conn.sock,
                 _QUEUE_FULL + (b"Connection: close\r\n" if close else b"") + b"\r\n" + _QUEUE_FULL_BODY,
             )
+            conn.refused_at = now
             self.wsgi.extensions["lmops.http"].count("POST", req.path, 429, time.perf_counter() - started)
             return not close
         return super().handle_request(req, conn)
+
+    def finish_request(self, conn, fs):
+        """A held connection waits in `held_conns`, off the poller (its client sent its
+        request and reads nothing more until the answer)."""
+        if not fs.cancelled() and fs.exception() is None and fs.result() is _HOLD:
+            self.held_conns.append(conn)
+            return
+        super().finish_request(conn, fs)
 
     def _queue_full(self, req) -> bool:
         """Full, for a request the app would otherwise take (model ready, key right)."""
@@ -188,14 +216,20 @@ class ThreadWorker(gthread.ThreadWorker):
         return True
 
     def _keepalive_after(self, conn, keepalive):
-        if keepalive is gthread._DEFER:  # a body still arriving: back to the poller as it is
+        if keepalive is gthread._DEFER or keepalive is _HOLD:  # not answered yet: nothing to drain
             return keepalive
         return super()._keepalive_after(conn, keepalive)
 
     def murder_pending(self):
-        """Answer 408 to connections whose body missed its deadline or paused longer than
-        `keepalive` (gunicorn would close them silently), then let gunicorn close the rest."""
+        """Release the held retries whose time has come (all of them when the worker
+        stops); answer 408 to connections whose body missed its deadline or paused
+        longer than `keepalive` (gunicorn would close them silently), then let gunicorn
+        close the rest. Runs on every turn of the worker's loop (at least once a second)."""
         now = time.monotonic()
+        due = [c for c in self.held_conns if not self.alive or now >= c.release_at]
+        for conn in due:
+            self.held_conns.remove(conn)
+            self.enqueue_req(conn)
         late = [
             c
             for c in self.pending_conns

@@ -192,7 +192,9 @@ def test_a_split_made_lopsided_by_one_huge_document_is_a_warning_with_the_fix(tm
     write_corpus(tmp_path / "raw", small + [huge * 100 + "\n"])  # one record 98% of the bytes
     with caplog.at_level("WARNING", logger="lmops.pipeline.data"):
         report = split(cfg, 1, tmp_path / "raw", tmp_path / "out", tmp_path / "report.json")
-    shares = " / ".join(f"{n} {100 * report['split'][n]['bytes'] / report['bytes']:.1f}%" for n in ("train", "val", "test"))
+    shares = " / ".join(
+        f"{n} {100 * report['split'][n]['bytes'] / report['bytes']:.1f}%" for n in ("train", "val", "test")
+    )
     assert [r.getMessage() for r in caplog.records] == [
         f"the splits hold {shares} of the corpus bytes, not 80% / 10% / 10%: splits are drawn by document "
         "and the largest document is 98.5% of the corpus; cut documents smaller with "

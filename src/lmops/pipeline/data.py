@@ -432,7 +432,11 @@ def warn_if_lopsided(stats: dict, sizes: np.ndarray, cfg: SplitConfig) -> None:
     among small ones) can put most of the bytes in one split: say so, with the fix,
     when a split holds under half or over twice its share of the bytes."""
     total = int(sizes.sum())
-    wanted = {"train": 1 - cfg.val_fraction - cfg.test_fraction, "val": cfg.val_fraction, "test": cfg.test_fraction}
+    wanted = {
+        "train": 1 - cfg.val_fraction - cfg.test_fraction,
+        "val": cfg.val_fraction,
+        "test": cfg.test_fraction,
+    }
     shares = {name: stats[name]["bytes"] / total for name in wanted}
     if all(abs(shares[n] - f) <= 0.05 or f / 2 <= shares[n] <= 2 * f for n, f in wanted.items()):
         return
