@@ -44,7 +44,7 @@ started = time.perf_counter()
 tok = train_tokenizer(sample, cfg.vocab_size, cfg.min_frequency)
 seconds = time.perf_counter() - started
 text = (work / "val.txt").read_text(encoding="utf-8")
-ids = sum(len(e.ids) for e in tok.encode_batch_fast(chunks(text), add_special_tokens=False))
+ids = sum(len(e.ids) for e in tok.encode_batch_fast(list(chunks(text)), add_special_tokens=False))
 print(json.dumps({"train_seconds": round(seconds, 2), "sampled_bytes": sample.bytes,
                   "val_bytes_per_token": round(len(text.encode()) / ids, 4)}))
 """
