@@ -4,6 +4,7 @@ import functools
 import gzip
 import hashlib
 import http.server
+import io
 import json
 import threading
 
@@ -12,6 +13,7 @@ import pytest
 import zstandard
 
 from lmops.errors import LmopsError
+from lmops.pipeline import sources
 from lmops.pipeline.data import get_data, read_documents
 from lmops.pipeline.params import DataConfig
 
@@ -59,6 +61,45 @@ def test_tables_give_one_document_per_row(tmp_path, name):
     manifest = get(tmp_path, write_table(tmp_path / name))
     assert docs(tmp_path) == rows_as_docs()
     assert manifest["document_unit"] == "row" and manifest["documents"] == 3
+
+
+class ReadCounter(io.BytesIO):
+    """A file that counts the bytes read from it (Parquet's footer is at the end: a
+    reader seeks there first, so only the count tells how much was read)."""
+
+    total = 0
+
+    def read(self, size=-1):
+        data = super().read(size)
+        ReadCounter.total += len(data)
+        return data
+
+    def readinto(self, buffer):
+        n = super().readinto(buffer)
+        ReadCounter.total += n
+        return n
+
+
+@pytest.mark.parametrize("name", ["big.csv", "big.parquet", "big.parquet.gz"])
+def test_tables_are_read_as_they_are_consumed(tmp_path, monkeypatch, name):
+    """A table is never held whole: its first row arrives before most of the file is read."""
+    monkeypatch.setattr(sources, "TABLE_ROWS", 500)
+    rows = [f"row {i} " + hashlib.sha256(str(i).encode()).hexdigest() * 4 for i in range(20_000)]
+    path = tmp_path / name
+    if "parquet" in name:
+        pd.DataFrame({"text": rows}).to_parquet(tmp_path / "plain.parquet", row_group_size=1000)
+        data = (tmp_path / "plain.parquet").read_bytes()
+        path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    else:
+        write_table(path, rows)
+    size = len(gzip.decompress(path.read_bytes())) if name.endswith(".gz") else path.stat().st_size
+    ReadCounter.total = 0
+    file = sources.read_file(name, lambda: ReadCounter(path.read_bytes()), DataConfig(source=str(path)))
+    texts = file.texts()
+    assert "".join(next(texts)) == rows[0]
+    if not name.endswith(".gz"):  # a compressed Parquet file is decompressed to disk first
+        assert ReadCounter.total < size / 4, (ReadCounter.total, size)
+    assert ["".join(t) for t in texts] == rows[1:]
 
 
 def test_text_field_and_explicit_format(tmp_path):

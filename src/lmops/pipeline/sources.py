@@ -10,6 +10,7 @@ format comes from the extension under the compression one, unless `data.format` 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
@@ -18,6 +19,7 @@ import os
 import posixpath
 import sys
 import sysconfig
+import tempfile
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -43,14 +45,16 @@ Loader = Callable[[], BinaryIO]  # opens one file of the source for reading
 
 
 BLOCK_BYTES = 1 << 20  # files are read in blocks of about this size, cut at a line end
+TABLE_ROWS = 10_000  # a CSV is parsed, a Parquet file read, this many rows at a time
 
 
 @dataclass
 class SourceFile:
-    """One file of the source, read only as it is consumed, so no file is held whole
-    (a CSV or Parquet file is: pandas and Arrow read it at once). `texts()` yields each
-    text (the file's, or one per row of a table) as an iterator of blocks of whole
-    lines; every call reads the file again (`auto` looks at a text once before cutting it)."""
+    """One file of the source, read only as it is consumed, so no file is held whole (a
+    CSV is parsed `TABLE_ROWS` rows at a time, a Parquet file a batch of a row group at a
+    time). `texts()` yields each text (the file's, or one per row of a table) as an
+    iterator of blocks of whole lines; every call reads the file again (`auto` looks at
+    a text once before cutting it)."""
 
     name: str
     format: str  # text | jsonl | csv | parquet
@@ -64,15 +68,16 @@ class SourceFile:
 
     def texts(self) -> Iterator[Iterator[str]]:
         self.replaced = 0
-        raw = _raw_blocks(self.name, self.load())
         field = self.cfg.text_field
         if self.format == "parquet":
-            rows = _parquet_rows(self.name, b"".join(raw), field)
-        elif self.format == "jsonl":
+            yield from (iter([row]) for row in _parquet_rows(self.name, self.load(), field))
+            return
+        raw = _raw_blocks(self.name, self.load())
+        if self.format == "jsonl":
             rows = _jsonl_rows(self.name, self._text_blocks(raw), field)
         elif self.format == "csv":
             sep = "\t" if _plain_name(self.name).endswith((".tsv", ".tab")) else ","
-            rows = _csv_rows(self.name, "".join(self._text_blocks(raw)), field, sep)
+            rows = _csv_rows(self.name, _BlocksAsFile(self._text_blocks(raw)), field, sep)
         else:
             yield self._text_blocks(raw)
             return
@@ -230,15 +235,22 @@ def decode_utf8(
         ) from None
 
 
+def _lower_path(name: str) -> str:
+    return urlparse(name).path.lower() if "://" in name else name.lower()
+
+
 def _plain_name(name: str) -> str:
     """The file's name, lower case, without its compression extension."""
-    path = urlparse(name).path.lower() if "://" in name else name.lower()
-    return path.removesuffix(".gz").removesuffix(".zst")
+    return _lower_path(name).removesuffix(".gz").removesuffix(".zst")
+
+
+def _compressed(name: str) -> bool:
+    return _lower_path(name).endswith((".gz", ".zst"))
 
 
 def _raw_blocks(name: str, stream: BinaryIO) -> Iterator[bytes]:
     """The file's plain bytes in blocks, decompressed as they are read."""
-    path = urlparse(name).path.lower() if "://" in name else name.lower()
+    path = _lower_path(name)
     reader, kind, errors = stream, "", ()
     if path.endswith(".gz"):
         reader, kind, errors = gzip.GzipFile(fileobj=stream), "gzip", (OSError, EOFError, zlib.error)
@@ -302,37 +314,73 @@ def _text_value(value: object, where: str) -> str:
     return value
 
 
-def _csv_rows(name: str, text: str, field: str, sep: str) -> list[str]:
+class _BlocksAsFile(io.TextIOBase):
+    """Decoded blocks as a text file to read from, so pandas parses a CSV as it arrives."""
+
+    def __init__(self, blocks: Iterator[str]):
+        self._blocks, self._buffer = blocks, ""
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> str:
+        while size is None or size < 0 or len(self._buffer) < size:
+            block = next(self._blocks, None)
+            if block is None:
+                break
+            self._buffer += block
+        cut = len(self._buffer) if size is None or size < 0 else size
+        out, self._buffer = self._buffer[:cut], self._buffer[cut:]
+        return out
+
+
+def _csv_rows(name: str, text: io.TextIOBase, field: str, sep: str) -> Iterator[str]:
+    """The texts of a CSV (or TSV), `TABLE_ROWS` rows at a time."""
     import pandas as pd
 
+    kind = "TSV" if sep == "\t" else "CSV"
     try:
         with warnings.catch_warnings():  # a row longer than the header: an error, not lost fields
             warnings.simplefilter("error", pd.errors.ParserWarning)
-            frame = pd.read_csv(io.StringIO(text), sep=sep, dtype=str, keep_default_na=False, index_col=False)
+            frames = pd.read_csv(
+                text, sep=sep, dtype=str, keep_default_na=False, index_col=False, chunksize=TABLE_ROWS
+            )
+            for frame in frames:
+                if field not in frame.columns:
+                    raise _missing_field(name, "the header", field, list(frame.columns))
+                yield from (v if isinstance(v, str) else "" for v in frame[field].tolist())
     except pd.errors.EmptyDataError:
-        return []
+        return
     except (pd.errors.ParserError, pd.errors.ParserWarning, ValueError) as exc:
-        raise LmopsError(f"{name}: not valid {'TSV' if sep == chr(9) else 'CSV'}: {_one_line(exc)}") from None
-    if field not in frame.columns:
-        raise _missing_field(name, "the header", field, list(frame.columns))
-    return frame[field].tolist()
+        raise LmopsError(f"{name}: not valid {kind}: {_one_line(exc)}") from None
 
 
-def _parquet_rows(name: str, data: bytes, field: str) -> list[str]:
+def _parquet_rows(name: str, stream: BinaryIO, field: str) -> Iterator[str]:
+    """The texts of a Parquet file, a batch of `TABLE_ROWS` at a time. Arrow reads a file by
+    seeking to its footer: a compressed file or a stream that cannot seek (https://) is
+    first decompressed into a temporary file, not memory."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    try:
-        table = pq.ParquetFile(io.BytesIO(data))
-        names = table.schema_arrow.names
-        if field not in names:
-            raise _missing_field(name, "the schema", field, names)
-        column = table.read(columns=[field]).column(field)
-    except (pa.ArrowException, OSError) as exc:
-        raise LmopsError(f"{name}: not valid Parquet: {_one_line(exc)}") from None
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise LmopsError(f"{name}: column {field!r} is {column.type}, not a string")
-    return [v or "" for v in column.to_pylist()]
+    with contextlib.ExitStack() as stack:
+        source = stack.enter_context(stream)
+        if _compressed(name) or not stream.seekable():
+            source = stack.enter_context(tempfile.TemporaryFile())
+            for block in _raw_blocks(name, stream):
+                source.write(block)
+            source.seek(0)
+        try:
+            table = pq.ParquetFile(source, pre_buffer=False)  # True reads every row group at once
+            names = table.schema_arrow.names
+            if field not in names:
+                raise _missing_field(name, "the schema", field, names)
+            kind = table.schema_arrow.field(field).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise LmopsError(f"{name}: column {field!r} is {kind}, not a string")
+            for batch in table.iter_batches(batch_size=TABLE_ROWS, columns=[field]):
+                yield from (v or "" for v in batch.column(0).to_pylist())
+        except (pa.ArrowException, OSError) as exc:
+            raise LmopsError(f"{name}: not valid Parquet: {_one_line(exc)}") from None
 
 
 def _one_line(exc: Exception) -> str:
