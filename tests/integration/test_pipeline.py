@@ -96,13 +96,13 @@ def test_int8_weights_cost_under_1pct_bits_per_byte(project):
     from lmops.pipeline.evaluate import score
     from lmops.pipeline.params import EvaluateConfig
     from lmops.runtime.quantize import quantize
-    from lmops.runtime.tokenizer import load_tokenizer
+    from lmops.runtime.tokenizer import chunks, load_tokenizer
 
     served = project / "production_service/model"
     text, tok = (project / "data/processed/test.txt").read_text(), load_tokenizer(served)
     cfg = EvaluateConfig(max_batches=1000, batch_size=8)  # the whole test split
-    fp32 = score(Llama.from_pretrained(served), tok, text, cfg)["bits_per_byte"]
-    int8 = score(quantize(Llama.from_pretrained(served), "int8"), tok, text, cfg)["bits_per_byte"]
+    fp32 = score(Llama.from_pretrained(served), tok, chunks(text), cfg)["bits_per_byte"]
+    int8 = score(quantize(Llama.from_pretrained(served), "int8"), tok, chunks(text), cfg)["bits_per_byte"]
     assert int8 != fp32 and abs(int8 / fp32 - 1) < 0.01, (fp32, int8)
 
 

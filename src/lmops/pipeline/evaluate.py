@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +24,21 @@ from lmops.errors import LmopsError
 from lmops.pipeline import tracking
 from lmops.pipeline.params import EvaluateConfig, Params
 from lmops.pipeline.paths import METRICS_FILE, MODEL_DIR, PROCESSED_DIR, SAMPLES_FILE
+from lmops.pipeline.tokenize_stage import split_path, text_chunks
 from lmops.runtime.engine import LLMEngine, SamplingParams
 from lmops.runtime.model import Llama, resolve_device
 from lmops.runtime.model_dir import require_meta, sampling_defaults
-from lmops.runtime.tokenizer import encode, load_tokenizer, token_byte_lengths
+from lmops.runtime.tokenizer import encode_pieces, load_tokenizer, token_byte_lengths
 
 log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def score(model: Llama, tokenizer, text: str, cfg: EvaluateConfig) -> dict:
-    """NLL over non-overlapping max_seq_len windows of `text` (at most max_batches batches)."""
-    ids = encode(tokenizer, text)
+def score(model: Llama, tokenizer, pieces: Iterable[str], cfg: EvaluateConfig) -> dict:
+    """NLL over non-overlapping max_seq_len windows of the text in `pieces` (as `chunks`
+    cuts it; at most max_batches batches of windows), encoded only as far as they reach."""
+    needed = cfg.max_batches * cfg.batch_size * model.config.max_seq_len + 1
+    ids = encode_pieces(tokenizer, pieces, at_least=needed)
     if len(ids) < 2:
         raise LmopsError("test split encodes to fewer than 2 tokens; nothing to evaluate")
     window = min(model.config.max_seq_len, len(ids) - 1)
@@ -60,18 +64,21 @@ def score(model: Llama, tokenizer, text: str, cfg: EvaluateConfig) -> dict:
     }
 
 
-def evaluate_dir(model_dir: Path, text: str, cfg: EvaluateConfig, device: str = "auto") -> dict:
+def evaluate_dir(model_dir: Path, test_path: Path, cfg: EvaluateConfig, device: str = "auto") -> dict:
     model = Llama.from_pretrained(model_dir, device=resolve_device(device))
-    return score(model, load_tokenizer(model_dir), text, cfg)
+    return score(model, load_tokenizer(model_dir), split_pieces(test_path), cfg)
 
 
-def read_test_split(data_dir: Path = PROCESSED_DIR) -> tuple[str, str]:
-    """The test split's text and its sha256 (what makes two measurements comparable)."""
-    path = data_dir / "test.txt"
-    if not path.is_file():
-        raise LmopsError(f"{path} not found: run `lmops split` first")
-    raw = path.read_bytes()
-    return raw.decode("utf-8"), hashlib.sha256(raw).hexdigest()
+def read_test_split(data_dir: Path = PROCESSED_DIR) -> tuple[Path, str]:
+    """The test split's path and its sha256 (what makes two measurements comparable)."""
+    path = split_path(data_dir, "test")
+    with open(path, "rb") as fh:
+        return path, hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def split_pieces(path: Path) -> Iterator[str]:
+    """The split's text as `chunks` cuts it, read as it is consumed."""
+    return (piece for _, piece in text_chunks(path))
 
 
 def sample_completions(
@@ -85,13 +92,13 @@ def sample_completions(
 def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCESSED_DIR) -> dict:
     cfg = params.evaluate
     meta = require_meta(model_dir)
-    text, test_sha = read_test_split(data_dir)
+    test_path, test_sha = read_test_split(data_dir)
     # One load: the engine's model also scores the test split.
     # A handful of samples does not repay compiling the decode step (engine/compiled.py).
     engine = LLMEngine.from_pretrained(
         model_dir, device=params.train.device, max_num_seqs=len(cfg.prompts), compile=False
     )
-    result = score(engine.model, engine.tokenizer, text, cfg)
+    result = score(engine.model, engine.tokenizer, split_pieces(test_path), cfg)
     metrics = {f"test_{k}": v for k, v in result.items()}
     metrics["val_loss"] = meta.metrics.get("val_loss")
     metrics["test_split_sha256"] = test_sha

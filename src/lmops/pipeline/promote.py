@@ -33,14 +33,14 @@ log = logging.getLogger(__name__)
 METRIC = "test_bits_per_byte"
 
 
-def champion_score(params: Params, champion, test_text: str, test_sha: str) -> tuple[float, str]:
+def champion_score(params: Params, champion, test_path: Path, test_sha: str) -> tuple[float, str]:
     """The champion's bits/byte on this test split, and how we know it."""
     tags = champion.tags or {}
     if tags.get("test_split_sha256") == test_sha and METRIC in tags:
         return float(tags[METRIC]), "measured on the same test split"
     with tempfile.TemporaryDirectory(prefix="lmops-champion-") as tmp:
         model_dir = download(f"models:/{champion.name}/{champion.version}", Path(tmp))
-        bpb = evaluate_dir(model_dir, test_text, params.evaluate, params.train.device)["bits_per_byte"]
+        bpb = evaluate_dir(model_dir, test_path, params.evaluate, params.train.device)["bits_per_byte"]
     client = tracking.client()
     client.set_model_version_tag(champion.name, champion.version, METRIC, str(bpb))
     client.set_model_version_tag(champion.name, champion.version, "test_split_sha256", test_sha)
@@ -124,7 +124,7 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
     run_id = meta.run_id
     if not run_id:
         raise LmopsError(f"{model_dir}/lmops.json has no run_id: the model was not trained with tracking")
-    test_text, test_sha = read_test_split()
+    test_path, test_sha = read_test_split()
     if metrics.get("test_split_sha256") != test_sha:
         raise LmopsError(f"{METRICS_FILE} was measured on another test split: run `lmops evaluate` again")
     score = float(metrics[METRIC])
@@ -147,7 +147,7 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
     if is_champion:  # e.g. a promotion killed after the alias moved, run again
         champ_bpb = score
     elif champion is not None:
-        champ_bpb, how = champion_score(params, champion, test_text, test_sha)
+        champ_bpb, how = champion_score(params, champion, test_path, test_sha)
     if champion is not None:
         decision.update(champion_version=int(champion.version), champion_bits_per_byte=champ_bpb)
     if force:

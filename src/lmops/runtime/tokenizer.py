@@ -8,7 +8,8 @@ Llama's ids: <unk>=0, <s>=1, </s>=2.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from lmops.errors import LmopsError
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 CHUNK_CHARS = 1 << 16  # encoding pieces: see `chunks`
+ENCODE_BATCH = 16  # pieces per encode_batch call (its threads take one piece each)
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:
@@ -41,8 +43,18 @@ def chunks(text: str) -> Iterator[str]:
 
 
 def encode(tok: Tokenizer, text: str) -> np.ndarray:
-    ids = [e.ids for e in tok.encode_batch(list(chunks(text)), add_special_tokens=False)]
-    return np.fromiter((i for chunk in ids for i in chunk), dtype=np.int64)
+    return encode_pieces(tok, chunks(text))
+
+
+def encode_pieces(tok: Tokenizer, pieces: Iterable[str], at_least: int | None = None) -> np.ndarray:
+    """The ids of the pieces' text (as `chunks` cuts it), a batch of pieces at a time; with
+    `at_least`, only until that many are in, so a long text is not encoded (or held) whole."""
+    out, n, it = [], 0, iter(pieces)
+    while (at_least is None or n < at_least) and (batch := list(itertools.islice(it, ENCODE_BATCH))):
+        for e in tok.encode_batch(batch, add_special_tokens=False):
+            out.append(np.asarray(e.ids, dtype=np.int64))
+            n += len(e.ids)
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
 def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
