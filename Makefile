@@ -17,7 +17,8 @@ $(STAMP): requirements.lock requirements-dev.lock pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.lock
-	$(BIN)/python -m pip install --quiet --no-deps -e .
+	@# -qq: setuptools' notice on every editable install of a multi-root layout (src/ and .) is no news
+	$(BIN)/python -m pip install -qq --no-deps -e .
 	@touch $@
 
 install: $(STAMP) ## create .venv and install the pinned dependencies and lmops

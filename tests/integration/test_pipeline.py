@@ -81,6 +81,8 @@ def test_repro_produces_every_output(project):
     assert val_rows[0] == "step,tokens,val_loss" and [r.split(",")[0] for r in val_rows[1:]] == ["10", "20"]
     shown = run([str(BIN / "dvc"), "metrics", "show", "--json"], project).stdout
     assert "test_bits_per_byte" in shown
+    table = run([str(BIN / "dvc"), "metrics", "show"], project).stdout.splitlines()
+    assert "data_metrics.json" in table[1] and max(map(len, table)) < 200, table  # one readable table
     run([str(BIN / "dvc"), "plots", "show", "-o", str(project / "plots-html")], project)
     assert (project / "plots-html/index.html").is_file()
 

@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("alembic", "mlflow", "urllib3", "httpx", "git"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # MLflow draws a "Downloading artifacts" bar for every model it copies (a few small
+    # files, done in milliseconds): noise on a terminal, redraws in a log file.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     started = time.perf_counter()
     try:
         if args.command in STAGES:

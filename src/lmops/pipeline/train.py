@@ -419,7 +419,7 @@ def _loop(run: Run) -> None:
         total=cfg.max_steps,
         desc="train",
         unit="step",
-        disable=not ddp.main,
+        disable=None if ddp.main else True,  # None: off when stderr is no terminal (a log file)
         dynamic_ncols=True,
     )
     t_last, tokens_last, warned_mfu = time.perf_counter(), progress.tokens, False
