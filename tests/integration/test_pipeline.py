@@ -55,6 +55,9 @@ def project(tmp_path_factory):
     out = run([str(BIN / "dvc"), "repro"], project)
     assert ran_stages(out.stdout) == ["get_data", "split", "tokenize", "train", "evaluate", "promote"]
     assert "re-exporting" not in out.stderr  # an empty skeleton is no "unknown model" to replace
+    # A log file's worth of output (stderr is no terminal here): no progress bars, no MLflow advice.
+    for noise in ("step/s", "Downloading artifacts", "UserWarning", "\r"):
+        assert noise not in out.stderr, f"{noise!r} in the pipeline's log:\n{out.stderr[-3000:]}"
     return project
 
 

@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import subprocess
 import time
 import warnings
@@ -211,11 +210,9 @@ def log_model(run_id: str, model_dir: Path) -> None:
 
     mlflow = _mlflow()
     with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
-        # Both are advice we decline on purpose: the signature above is explicit (type hints
-        # would make MLflow infer another), and an input example would make MLflow load and
-        # run the model while logging it.
-        for advice in ("Add type hints to the `predict` method", "An input example was not provided"):
-            warnings.filterwarnings("ignore", message=f".*{re.escape(advice)}", category=UserWarning)
+        # Advice we decline on purpose: an input example would make MLflow load and run the
+        # model while logging it (the signature is explicit).
+        warnings.filterwarnings("ignore", message=".*An input example was not provided", category=UserWarning)
         mlflow.pyfunc.log_model(
             signature=predict_signature(model_dir),
             name=MODEL_ARTIFACT,
