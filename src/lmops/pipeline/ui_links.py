@@ -19,11 +19,11 @@ VIEW = "workflowType=machine_learning"
 
 def ui_links(params: Params, base_url: str) -> list[tuple[str, str]]:
     """(what, url) pairs, the newest run's included when the experiment has one."""
-    mlflow = tracking._mlflow()
     uri = tracking.tracking_uri(params.mlflow)
     local = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
     if local is not None and not local.is_file():  # opening it would create an empty store
         raise LmopsError(f"no tracking store at {local}: run `make run` first")
+    mlflow = tracking._mlflow()
     mlflow.set_tracking_uri(uri)
     name = params.mlflow.experiment
     with tracking.store_errors(uri):
