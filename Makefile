@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 LINT_PATHS := src tests benchmarks production_service kubeflow deploy template.py
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-fast lint format mlflow-ui serve clean monitoring-tools client-tools
+.PHONY: help install run test test-fast lint format mlflow-ui serve clean monitoring-tools client-tools browser-tools
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -17,7 +17,8 @@ $(STAMP): requirements.lock requirements-dev.lock pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.lock
-	$(BIN)/python -m pip install --quiet --no-deps -e .
+	@# -qq: setuptools' notice on every editable install of a multi-root layout (src/ and .) is no news
+	$(BIN)/python -m pip install -qq --no-deps -e .
 	@touch $@
 
 install: $(STAMP) ## create .venv and install the pinned dependencies and lmops
@@ -45,6 +46,18 @@ monitoring-tools: ## install Debian's prometheus + prometheus-alertmanager (prom
 		echo "install Prometheus (prometheus, promtool) and Alertmanager (amtool) 2.x/0.2x: no apt-get here" >&2; exit 1; \
 	fi
 
+# Headless Chromium for the browser tests (tests/browser.py: the plots page, the MLflow UI).
+browser-tools: ## install Debian's chromium (headless screenshots in the tests) via apt
+	@if command -v chromium >/dev/null; then \
+		echo "chromium is installed"; \
+	elif command -v apt-get >/dev/null; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium; \
+	else \
+		echo "install Chromium (the \`chromium\` command): no apt-get here" >&2; exit 1; \
+	fi
+
 # The real clients the service tests drive (tests/service/test_clients.py), each in its own
 # venv (their pins clash with ours): lm-evaluation-harness and guidellm. torch first, so
 # no CUDA build is pulled in.
@@ -65,7 +78,8 @@ format: install ## apply ruff's formatting and safe fixes
 	$(BIN)/ruff check --fix $(LINT_PATHS)
 	$(BIN)/ruff format $(LINT_PATHS)
 
-mlflow-ui: install ## MLflow UI on the tracking store the pipeline wrote (http://127.0.0.1:5000)
+mlflow-ui: install ## MLflow UI on the tracking store the pipeline wrote; prints the links to the newest run and the model
+	@$(BIN)/lmops links --url http://127.0.0.1:$${MLFLOW_PORT:-5000} || true
 	$(BIN)/mlflow ui --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///mlflow.db} --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}
 
 serve: install ## serve the promoted model with gunicorn on :5001, probes on :5002 (HOST/PORT/LMOPS_* env honoured)

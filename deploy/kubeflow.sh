@@ -14,7 +14,7 @@
 # (KUBEFLOW_REGISTRY acr|ecr, ACR_NAME or AWS_ACCOUNT_ID/AWS_REGION, IMAGE_TAG): the
 # serving image for deploy, the pipeline image (IMAGE_TARGET=pipeline, tag <tag>-pipeline)
 # for train, pipeline and schedule.
-# deploy/train need KUBECONFIG for the cluster; pipeline needs KFP_HOST and
+# deploy/train need KUBECONFIG for the cluster (a dry run does not); pipeline needs KFP_HOST and
 # MLFLOW_TRACKING_URI (an MLflow server the cluster reaches), KFP_TOKEN if the
 # endpoint wants a bearer token. KUBEFLOW_NAMESPACE: the profile namespace
 # (default kubeflow-user-example-com). LMOPS_API_KEY as for deploy/deploy.sh.

@@ -18,11 +18,21 @@ case ":$PATH:" in
 esac
 DRY_RUN=${DRY_RUN:-0}
 SECRET_VARS=(LMOPS_API_KEY AZURE_CLIENT_SECRET AWS_SECRET_ACCESS_KEY KFP_TOKEN)
+# Masking replaces a secret's value wherever it occurs in a traced command; a value this
+# short would also be masked inside ordinary words (and guessed), so it is refused.
+MIN_SECRET_CHARS=8
 # shellcheck disable=SC2034 # used by the scripts that source this file
 NAMESPACE=lmops # the namespace of deploy/base
 
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"; if dry_run; then echo "(dry run: the cloud commands above were printed, not run)" >&2; fi' EXIT
+# The dry run's closing note only when it got to the end: after an error, nothing was
+# printed in full.
+on_exit() {
+  local status=$?
+  rm -rf "$WORK"
+  if dry_run && [ "$status" = 0 ]; then echo "(dry run: the cloud commands above were printed, not run)" >&2; fi
+}
+trap on_exit EXIT
 
 die() {
   echo "error: $*" >&2
@@ -37,6 +47,14 @@ truthy() {
 }
 
 dry_run() { truthy "$DRY_RUN"; }
+
+for name in "${SECRET_VARS[@]}"; do
+  value=${!name:-}
+  if [ -n "$value" ] && [ "${#value}" -lt "$MIN_SECRET_CHARS" ]; then
+    die "$name is ${#value} character(s) long: a secret needs at least $MIN_SECRET_CHARS (e.g. \`openssl rand -hex 16\`)"
+  fi
+done
+unset name value
 
 # split_args ARG...: every script's --dry-run (sets DRY_RUN=1); the other arguments in ARGS.
 split_args() {
@@ -188,7 +206,8 @@ use_cluster() {
         --name "${EKS_CLUSTER:?set EKS_CLUSTER}" --kubeconfig "$KUBECONFIG"
       ;;
     kubeflow)
-      : "${KUBECONFIG:?set KUBECONFIG to a kubeconfig for the Kubeflow cluster}"
+      # A dry run talks to no cluster, so it needs none.
+      dry_run || : "${KUBECONFIG:?set KUBECONFIG to a kubeconfig for the Kubeflow cluster}"
       ;;
     *) die "CLOUD must be aks, eks or kubeflow (got '$1')" ;;
   esac

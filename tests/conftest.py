@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -69,6 +70,13 @@ def run(
             f"\n--- stderr\n{proc.stderr[-4000:]}"
         )
     return proc
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_params(project: Path, overrides: dict, base: Path = REPO / "params.yaml") -> None:

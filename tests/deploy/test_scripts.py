@@ -260,12 +260,22 @@ def test_dry_run_also_from_the_environment(tmp_path, kubectl):
         ("deploy.sh", {"CLOUD": "aks", "ACR_NAME": ""}, "set ACR_NAME"),
         ("deploy.sh", {"CLOUD": "aks", "IMAGE": "x.io/lmops:1"}, "IMAGE must name a digest"),
         ("push_image.sh", {"CLOUD": "gcp"}, "CLOUD must be aks, eks or kubeflow"),
-        ("smoke_test.sh", {"CLOUD": "kubeflow", "KUBECONFIG": ""}, "set KUBECONFIG"),
+        ("deploy.sh", {"CLOUD": "aks", "LMOPS_API_KEY": "k"}, "LMOPS_API_KEY is 1 character(s) long"),
     ],
 )
 def test_missing_or_wrong_settings_stop_with_a_clear_message(script, env, message, tmp_path, kubectl):
     proc = run_script(script, "--dry-run", path_prefix=stand_ins(tmp_path / "bin", kubectl), **env)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert "printed, not run" not in proc.stderr  # the dry run stopped: it printed not all of it
+
+
+def test_kubeflow_needs_a_kubeconfig_only_to_run_for_real(tmp_path, kubectl):
+    bin_dir = stand_ins(tmp_path / "bin", kubectl)
+    dry = run_script("kubeflow.sh", "--dry-run", "train", path_prefix=bin_dir, KUBECONFIG="")
+    assert dry.returncode == 0 and "kubectl apply" in dry.stderr, dry.stderr
+    real = run_script("kubeflow.sh", "train", path_prefix=bin_dir, KUBECONFIG="")
+    assert real.returncode != 0 and "set KUBECONFIG" in real.stderr, real.stderr
+    assert "kubectl apply" not in real.stderr  # stopped before any cluster command
 
 
 def test_failed_rollout_is_rolled_back(tmp_path, kubectl):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from production_service.server import gunicorn_argv, wait_ready
+from tests.conftest import free_port
 from tests.deploy.conftest import REPO, SECRETS, run_script, tiny_model
 
 
@@ -68,12 +68,6 @@ def test_smoke_test_fails_on_a_wrong_answer_or_a_refusal(stand_in, monkeypatch):
     assert run_script("smoke_test.sh", stand_in, timeout=60).returncode != 0
     monkeypatch.setattr(StandIn, "completion", {"choices": [{"text": "x"}]})
     assert run_script("smoke_test.sh", stand_in, timeout=60, LMOPS_API_KEY="wrong-key").returncode != 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -9,22 +9,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import sqlite3
 import stat
 import subprocess
 import time
 
 import pytest
+import requests
 import torch
 
 from lmops.crash_points import ENV as CRASH_AT
 from lmops.pipeline.tokenize_stage import read_tokens
 from lmops.runtime.model import Llama
 from lmops.runtime.model_dir import MODEL_FILES
-from tests.conftest import BIN, env, make_project, run, write_params
+from tests.browser import colours, render, visible_text
+from tests.conftest import BIN, REPO, env, free_port, make_project, run, write_params
 
 pytestmark = pytest.mark.slow
+REPORTS = REPO / "reports"  # the browser tests' screenshots, for people to look at
 
 
 def repro(project) -> str:
@@ -50,6 +55,9 @@ def project(tmp_path_factory):
     out = run([str(BIN / "dvc"), "repro"], project)
     assert ran_stages(out.stdout) == ["get_data", "split", "tokenize", "train", "evaluate", "promote"]
     assert "re-exporting" not in out.stderr  # an empty skeleton is no "unknown model" to replace
+    # A log file's worth of output (stderr is no terminal here): no progress bars, no MLflow advice.
+    for noise in ("step/s", "Downloading artifacts", "UserWarning", "\r"):
+        assert noise not in out.stderr, f"{noise!r} in the pipeline's log:\n{out.stderr[-3000:]}"
     return project
 
 
@@ -68,12 +76,106 @@ def test_repro_produces_every_output(project):
     meta = json.loads((served / "lmops.json").read_text())
     assert meta["model_version"] == 1 and meta["run_id"] == promotion["run_id"]
     assert meta["data_sha256"] == manifest["sha256"]
-    log_rows = (project / "artifacts/plots/train_log.csv").read_text().splitlines()
-    assert log_rows[0].startswith("step,") and len(log_rows) == 1 + 20 // 5
+    log_rows = [r.split(",") for r in (project / "artifacts/plots/train_log.csv").read_text().splitlines()]
+    assert log_rows[0][0] == "step" and len(log_rows) == 1 + 20 // 5
+    mfu = [float(r[log_rows[0].index("mfu")]) for r in log_rows[1:]]
+    assert all(0 < m <= 1 for m in mfu), mfu  # against the best matmul measured in the run
+    val_rows = (project / "artifacts/plots/val_log.csv").read_text().splitlines()
+    assert val_rows[0] == "step,tokens,val_loss" and [r.split(",")[0] for r in val_rows[1:]] == ["10", "20"]
     shown = run([str(BIN / "dvc"), "metrics", "show", "--json"], project).stdout
     assert "test_bits_per_byte" in shown
+    table = run([str(BIN / "dvc"), "metrics", "show"], project).stdout.splitlines()
+    assert "data_metrics.json" in table[1] and max(map(len, table)) < 200, table  # one readable table
     run([str(BIN / "dvc"), "plots", "show", "-o", str(project / "plots-html")], project)
     assert (project / "plots-html/index.html").is_file()
+
+
+def test_the_plots_page_draws_the_measured_curves_offline(project, tmp_path):
+    """`dvc plots show`'s page (written by the test above) in a browser without internet:
+    the four titled plots drawn, validation a line through its measured points only. The
+    same page from DVC's own template (Vega from a CDN) draws nothing: the check can fail."""
+    page = project / "plots-html/index.html"
+    dom = render(page.as_uri(), REPORTS / "plots.png", height=1100)
+    text = visible_text(dom)
+    for title in ("Loss (validation", "Learning rate", "Training throughput", "Model FLOPs utilization"):
+        assert title in text, text[:2000]
+    line = r'<path aria-label="[^"]*val_log\.csv::val_loss"[^>]*aria-roledescription="line mark"[^>]* d="([^"]+)"'
+    val_line = re.search(line, dom)
+    assert val_line, "no validation curve in the rendered page"
+    assert val_line.group(1).count("L") + 1 == 2  # one vertex per evaluation (steps 10 and 20), no zeros
+    assert colours(REPORTS / "plots.png") > 50
+
+    from dvc_render.html import PAGE_HTML
+
+    (tmp_path / "cdn.html").write_text(PAGE_HTML)
+    cdn = tmp_path / "cdn"
+    run(
+        [str(BIN / "dvc"), "plots", "show", "--html-template", str(tmp_path / "cdn.html"), "-o", str(cdn)],
+        project,
+    )
+    assert 'aria-roledescription="line mark"' not in render(
+        (cdn / "index.html").as_uri(), tmp_path / "cdn.png"
+    )
+
+
+@contextlib.contextmanager
+def mlflow_ui(project, port: int):
+    """`make mlflow-ui`'s command on the project's tracking store, started now; the block
+    waits for it with `ready()`."""
+    cmd = [str(BIN / "mlflow"), "ui", "--backend-store-uri", f"sqlite:///{project}/mlflow.db"]
+    proc = subprocess.Popen(
+        [*cmd, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        cwd=project,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its server and workers go with it
+    )
+
+    def ready() -> None:
+        deadline = time.monotonic() + 90
+        while not _answers(f"http://127.0.0.1:{port}/health"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"mlflow ui did not come up: {proc.stderr.read()[-3000:]}")
+            time.sleep(0.3)
+
+    try:
+        yield ready
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).ok
+    except requests.ConnectionError:
+        return False
+
+
+def test_mlflow_ui_links_open_on_the_runs_and_the_models(project):
+    """The links `lmops links` (`make mlflow-ui`) prints, in a fresh browser: the experiment's
+    runs with the newest one listed and the Models and Model registry links, not MLflow's
+    GenAI view (which a bare #/experiments/<id> opens in a browser MLflow has not seen)."""
+    port = free_port()
+    with mlflow_ui(project, port) as ready:
+        printed = run([str(BIN / "lmops"), "links", "--url", f"http://127.0.0.1:{port}"], project).stdout
+        promotion = json.loads((project / "artifacts/promotion.json").read_text())
+        urls = re.findall(r"http://\S+", printed)
+        assert len(urls) == 3 and urls[1].endswith(
+            f"/runs/{promotion['run_id']}?workflowType=machine_learning"
+        )
+        assert urls[2] == f"http://127.0.0.1:{port}/#/models/lmops?workflowType=machine_learning"
+        run_name = re.search(r"newest run (\S+):", printed).group(1)
+        ready()
+        dom = render(urls[0], REPORTS / "mlflow-ui.png")
+    text = visible_text(dom)
+    assert run_name in text and "1 matching run" in text, text[:2000]
+    assert 'href="#/models"' in dom and "Model registry" in text  # the sidebar's registry link
+    assert re.search(r'href="#/experiments/\d+/models\?', dom)  # and the experiment's Models
+    assert "Training runs" not in text and "Token Usage" not in text  # GenAI's sidebar and overview
+    assert colours(REPORTS / "mlflow-ui.png") > 50
 
 
 def test_second_repro_does_nothing(project):

@@ -180,8 +180,8 @@ def _overfitting_project(tokenized_project, dst, train_overrides):
 
 
 def _val_losses(project):
-    rows = [r.split(",") for r in (project / "artifacts/plots/train_log.csv").read_text().splitlines()[1:]]
-    return {int(r[0]): float(r[3]) for r in rows if r[3]}
+    rows = [r.split(",") for r in (project / "artifacts/plots/val_log.csv").read_text().splitlines()[1:]]
+    return {int(r[0]): float(r[2]) for r in rows}
 
 
 def _mlflow_run(project, run_id):

@@ -13,7 +13,6 @@ CI installs it (`make monitoring-tools`), so there it never skips.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "deploy" / "monitoring"
@@ -35,12 +36,6 @@ def binary(name: str) -> str:
     if path is None:
         pytest.skip(f"{name} is not installed: run `make monitoring-tools` (Debian's prometheus packages)")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PromQLError(RuntimeError):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from production_service.app import create_app
 from production_service.server import gunicorn_argv
 from production_service.server import wait_ready as server_ready
 from production_service.settings import ServiceConfig
-from tests.conftest import make_tiny_model_dir
+from tests.conftest import free_port, make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -53,12 +52,6 @@ def app(model_dir):
 @pytest.fixture
 def client(app):
     return app.test_client()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -293,6 +293,8 @@ def test_data_report(tmp_path):
         "mean": 27.0,
     }
     assert report["split"]["method"] == "tail" and report["split"]["test"] == {"documents": 1, "bytes": 52}
+    headline = json.loads((tmp_path / "data_metrics.json").read_text())
+    assert headline == {"documents": 4, "bytes": 108, "duplicates_merged": 1, "empty_documents_dropped": 2}
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from lmops.errors import LmopsError
 from lmops.pipeline.checkpoint import load_checkpoint, save_checkpoint, weights_of
 from lmops.pipeline.params import TrainConfig
 from lmops.pipeline.train import (
+    PeakFlops,
     Progress,
     batch,
     deterministic_kernels,
@@ -15,6 +16,7 @@ from lmops.pipeline.train import (
     lr_at,
     make_optimizer,
     measure_peak_flops,
+    write_log,
 )
 from lmops.runtime.model import Llama, LlamaConfig
 
@@ -160,6 +162,26 @@ def test_peak_flops_measurement_leaves_the_training_rng_alone():
     torch.manual_seed(0)
     measure_peak_flops(torch.device("cpu"), torch.float32)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_the_peak_is_the_highest_measurement_so_mfu_is_never_against_a_contended_one():
+    peak = PeakFlops(torch.device("cpu"), torch.float32)
+    first = peak.measure(bursts=2, seconds=0.01)
+    assert first > 1e8  # a 1024x1024 float32 matmul runs at more than 0.1 GFLOP/s anywhere
+    peak.best = 1e18  # as if an uncontended burst had measured this earlier in the run
+    assert peak.measure(seconds=0.01) == 1e18  # a slower burst later never lowers it
+
+
+def test_the_plot_files_hold_only_measured_rows(tmp_path):
+    timing = {"lr": 1e-3, "tokens_per_sec": 9.5, "mfu": 0.1}
+    rows = [{"step": s, "tokens": 8 * s, "train_loss": 5.0 - s / 10, **timing} for s in (5, 10, 15, 20)]
+    rows[1]["val_loss"], rows[3]["val_loss"] = 4.5, 4.25
+    write_log(rows, tmp_path / "train.csv", tmp_path / "val.csv")
+    train = (tmp_path / "train.csv").read_text().splitlines()
+    assert train[0] == "step,tokens,train_loss,lr,tokens_per_sec,mfu" and len(train) == 5
+    val = (tmp_path / "val.csv").read_text().splitlines()
+    assert val == ["step,tokens,val_loss", "10,80,4.5", "20,160,4.25"]
+    assert all("" not in line.split(",") for line in train)  # no empty cell for a plot to draw as 0
 
 
 def test_dropout_is_active_in_training_only_and_absent_from_the_export(tmp_path):

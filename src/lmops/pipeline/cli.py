@@ -1,4 +1,4 @@
-"""`lmops` entry point: one subcommand per pipeline stage, plus generate, bench and serve.
+"""`lmops` entry point: one subcommand per pipeline stage, plus generate, bench, serve and links.
 
 Every user-fixable problem is an `LmopsError`: printed as one line, exit code 1,
 no traceback. Stages run from the repository root (paths are relative to it).
@@ -141,6 +141,13 @@ def _serve(args: argparse.Namespace) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "production_service.server"])
 
 
+def _links(args: argparse.Namespace) -> None:
+    from lmops.pipeline.ui_links import ui_links
+
+    for what, url in ui_links(load_params(args.params), args.url):
+        print(f"{what}:\n  {url}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmops", description=__doc__.splitlines()[0])
     parser.add_argument("--params", default=PARAMS_FILE, help="params file (default: %(default)s)")
@@ -175,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--quantization", choices=["int8"], help="int8: weight-only int8 (default: none)")
     srv = sub.add_parser("serve", help="run the inference service (gunicorn) on a model directory")
     srv.add_argument("--model", type=Path, default=Path("production_service/model"))
+    links = sub.add_parser(
+        "links", help="MLflow UI links: the experiment, its newest run, the registered model"
+    )
+    links.add_argument(
+        "--url", default="http://127.0.0.1:5000", help="the UI's address (default: %(default)s)"
+    )
     return parser
 
 
@@ -186,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("alembic", "mlflow", "urllib3", "httpx", "git"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # MLflow draws a "Downloading artifacts" bar for every model it copies (a few small
+    # files, done in milliseconds): noise on a terminal, redraws in a log file.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     started = time.perf_counter()
     try:
         if args.command in STAGES:
@@ -196,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             _bench(args)
         elif args.command == "serve":
             _serve(args)
+        elif args.command == "links":
+            _links(args)
     except LmopsError as exc:
         print(f"lmops {args.command}: error: {exc}", file=sys.stderr)
         return 1

@@ -31,7 +31,14 @@ from tqdm import tqdm
 from lmops import atomic
 from lmops.errors import LmopsError
 from lmops.pipeline.params import DataConfig, SplitConfig
-from lmops.pipeline.paths import DATA_REPORT_FILE, PROCESSED_DIR, RAW_DIR, THROUGHPUT_FILE
+from lmops.pipeline.paths import (
+    DATA_METRICS,
+    DATA_METRICS_FILE,
+    DATA_REPORT_FILE,
+    PROCESSED_DIR,
+    RAW_DIR,
+    THROUGHPUT_FILE,
+)
 from lmops.pipeline.sources import STDLIB, SourceFile, list_files, read_file, stdlib_origin
 
 log = logging.getLogger(__name__)
@@ -356,7 +363,8 @@ def split(
     out_dir: Path = PROCESSED_DIR,
     report_path: Path = DATA_REPORT_FILE,
 ) -> dict:
-    """Write the three splits and the data report; stop before writing anything
+    """Write the three splits, the data report and its headline numbers (the DVC metrics,
+    beside the report); stop before writing anything
     when a split would be empty or too small to train on.
 
     Two reads of the corpus, one document at a time: the first takes each document's
@@ -416,6 +424,7 @@ def split(
     seconds = time.perf_counter() - started
     report = data_report(raw_dir, sizes, first, cfg, stats)
     atomic.write_json(report_path, report)
+    atomic.write_json(report_path.with_name(DATA_METRICS_FILE.name), {k: report[k] for k in DATA_METRICS})
     log.info(
         "split (%s): %s; %d duplicate(s) merged, %d of them dropped from a later split; %.1f MB/s",
         cfg.method,

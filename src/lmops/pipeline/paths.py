@@ -11,12 +11,17 @@ from pathlib import Path
 RAW_DIR = Path("data/raw")
 MANIFEST_FILE = RAW_DIR / "manifest.json"
 DATA_REPORT_FILE = Path("artifacts/data_report.json")
+# Its headline numbers, beside it: DVC's metrics (`dvc metrics show` shows one column per
+# number, and the whole report made that table ~700 characters wide).
+DATA_METRICS_FILE = DATA_REPORT_FILE.with_name("data_metrics.json")
+DATA_METRICS = ("documents", "bytes", "duplicates_merged", "empty_documents_dropped")
 PROCESSED_DIR = Path("data/processed")
 TOKENS_DIR = PROCESSED_DIR / "tokens"
 TOKENIZER_DIR = Path("artifacts/tokenizer")
 MODEL_DIR = Path("artifacts/model")
 CHECKPOINT_DIR = Path("artifacts/checkpoints")
 TRAIN_LOG_FILE = Path("artifacts/plots/train_log.csv")
+VAL_LOG_FILE = Path("artifacts/plots/val_log.csv")
 METRICS_FILE = Path("artifacts/metrics.json")
 SAMPLES_FILE = Path("artifacts/samples.md")
 PROMOTION_FILE = Path("artifacts/promotion.json")

@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -208,7 +209,10 @@ def log_model(run_id: str, model_dir: Path) -> None:
     from importlib.metadata import version
 
     mlflow = _mlflow()
-    with mlflow.start_run(run_id=run_id):
+    with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
+        # Advice we decline on purpose: an input example would make MLflow load and run the
+        # model while logging it (the signature is explicit).
+        warnings.filterwarnings("ignore", message=".*An input example was not provided", category=UserWarning)
         mlflow.pyfunc.log_model(
             signature=predict_signature(model_dir),
             name=MODEL_ARTIFACT,

@@ -17,6 +17,10 @@ from lmops.runtime.model_dir import sampling_defaults
 
 
 class LmopsCompletionModel(PythonModel):
+    # MLflow's switch (the one its own ChatModel uses) for "no type-hint validation": without
+    # it, defining this class warns "Add type hints to the `predict` method" in every log.
+    _skip_type_hint_validation = True
+
     def load_context(self, context) -> None:
         self.model_dir = context.artifacts["model_dir"]
         self.engine = LLMEngine.from_pretrained(self.model_dir)
