@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 LINT_PATHS := src tests benchmarks production_service kubeflow deploy template.py
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-fast lint format mlflow-ui serve clean monitoring-tools client-tools browser-tools
+.PHONY: help install run test test-fast lint format mlflow-ui serve clean monitoring-tools browser-tools backends client-tools
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -57,6 +57,22 @@ browser-tools: ## install Debian's chromium (headless screenshots in the tests) 
 	else \
 		echo "install Chromium (the \`chromium\` command): no apt-get here" >&2; exit 1; \
 	fi
+
+# The production backends tests/backends runs the pipeline against, for real: Debian's
+# PostgreSQL (the MLflow backend store) here, moto's S3 server (artifacts, the DVC remote)
+# from requirements-dev.lock. The tests start and stop the servers themselves.
+# Fails where PostgreSQL is missing and apt-get is not there to install it: CI must not skip.
+backends: install ## install Debian's postgresql via apt (moto_server, psycopg2, boto3 come with make install)
+	@if ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null; then \
+		echo "postgresql is installed"; \
+	elif command -v apt-get >/dev/null; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends postgresql; \
+	else \
+		echo "install PostgreSQL 13 or later (initdb, pg_ctl): no apt-get here" >&2; exit 1; \
+	fi
+	@test -x $(BIN)/moto_server || { echo "$(BIN)/moto_server missing: make install (requirements-dev.lock pins moto[server])" >&2; exit 1; }
 
 # The real clients the service tests drive (tests/service/test_clients.py), each in its own
 # venv (their pins clash with ours): lm-evaluation-harness and guidellm. torch first, so

@@ -92,6 +92,8 @@ def sample_completions(
 def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCESSED_DIR) -> dict:
     cfg = params.evaluate
     meta = require_meta(model_dir)
+    if meta.run_id:  # a tracking store that is down stops the stage before it writes anything
+        tracking.configure(params.mlflow)
     test_path, test_sha = read_test_split(data_dir)
     # One load: the engine's model also scores the test split.
     # A handful of samples does not repay compiling the decode step (engine/compiled.py).
@@ -120,13 +122,13 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
     atomic.write_json(METRICS_FILE, metrics)
 
     if meta.run_id:
-        tracking.configure(params.mlflow)
         # The test numbers only: val_loss is training's, and logging it again would add a
         # stray point at step 0 to its curve.
         numeric = {k: v for k, v in metrics.items() if k.startswith("test_") and isinstance(v, int | float)}
-        tracking.log_metrics(meta.run_id, numeric)
-        tracking.client().log_artifact(meta.run_id, str(SAMPLES_FILE))
-        tracking.client().log_artifact(meta.run_id, str(METRICS_FILE))
+        with tracking.store_errors(tracking.tracking_uri(params.mlflow)):
+            tracking.log_metrics(meta.run_id, numeric)
+            tracking.client().log_artifact(meta.run_id, str(SAMPLES_FILE))
+            tracking.client().log_artifact(meta.run_id, str(METRICS_FILE))
     log.info(
         "test: loss %.4f, ppl %.2f, %.4f bits/byte",
         result["loss"],

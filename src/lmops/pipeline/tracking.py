@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import subprocess
 import time
 import warnings
@@ -49,7 +50,10 @@ def store_errors(uri: str) -> Iterator[None]:
 
     A store locked by another process (sqlite) is already waited on: MLflow sets
     SQLite's busy timeout to 20 s, which retries until the lock is released. Past
-    that, MLflow logs the SQLAlchemy traceback and raises; the user gets one line.
+    that, MLflow logs the SQLAlchemy traceback and raises; the user gets one line. A
+    tracking server that does not answer is retried by MLflow's REST client
+    (MLFLOW_HTTP_REQUEST_MAX_RETRIES, 7 by default with exponential backoff: about 4 minutes)
+    before the line names it.
     """
     mlflow = _mlflow()
     if not log.isEnabledFor(logging.DEBUG):  # `lmops -v` still shows MLflow's traceback
@@ -62,6 +66,13 @@ def store_errors(uri: str) -> Iterator[None]:
             raise LmopsError(
                 f"MLflow tracking store {uri} is locked by another process (still locked after "
                 "20 s): run the command again when it is free"
+            ) from None
+        if "Max retries exceeded" in first:  # the REST client's retries are spent
+            cause = re.search(r"\[Errno -?\d+\] [^\"')]+|Read timed out", first)
+            raise LmopsError(
+                f"MLflow tracking server {uri} is unreachable ({cause[0] if cause else 'no answer'}, "
+                f"after {mlflow.environment_variables.MLFLOW_HTTP_REQUEST_MAX_RETRIES.get()} retries): "
+                "start it, or point MLFLOW_TRACKING_URI at one"
             ) from None
         raise LmopsError(f"MLflow tracking at {uri}: {first}") from None
 

@@ -14,6 +14,10 @@ lowest validation loss at any evaluation, whose weights ride along in every
 checkpoint so resume picks the same step; `train.early_stopping_patience` ends
 the run once validation has stopped improving.
 
+A tracking server that stays down past MLflow's retries stops the run cleanly: a
+checkpoint, then one line. `lmops train` again resumes into the same MLflow run, logs
+the rows the server missed (no gap in the curves) and tags the run `resumed_at_steps`.
+
 Structure: `_setup` builds a `Run` (everything the run works with) and its
 `Progress` (what a checkpoint saves); `_loop` calls `_train_step`, `_evaluate`
 and `_checkpoint`; `_finish` exports and closes the MLflow run.
@@ -27,6 +31,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -232,6 +237,7 @@ class Progress:
     tokens: int = 0
     run_id: str | None = None
     history: list[dict] = field(default_factory=list)
+    tracked_rows: int = 0  # rows of `history` the tracking store has
     best_step: int | None = None
     best_val_loss: float | None = None
     evals_since_best: int = 0
@@ -386,6 +392,8 @@ def _resume(run: Run) -> None:
         return
     state = load_checkpoint(run.ckpt_dir, run.model, run.opt)
     run.progress = Progress(**{f.name: state[f.name] for f in fields(Progress) if f.name in state})
+    if "tracked_rows" not in state:  # older checkpoints: every row was logged before it was saved
+        run.progress.tracked_rows = len(run.progress.history)
     run.best = state["best"] if run.ddp.main else None
     log.info("resuming from %s at step %d", run.ckpt_dir, run.progress.step)
 
@@ -397,21 +405,10 @@ def _loop(run: Run) -> None:
     flops_per_token = run.model.flops_per_token()
     tokens_per_step = cfg.batch_size * run.params.model.max_seq_len * cfg.grad_accum_steps * ddp.world
     if ddp.main:
-        progress.run_id = tracking.start_training_run(
-            run.params, progress.run_id, run.manifest.get("sha256")
-        ).info.run_id
-        tracking.log_params_once(
-            run.params,
-            progress.run_id,
-            extra={
-                "num_params": run.model.num_params(),
-                "world_size": ddp.world,
-                "device": run.device.type,
-                "compute_dtype": str(run.precision).removeprefix("torch."),
-                "compiled": run.compiled,
-            },
-        )
-        tracking.log_data_report(progress.run_id)
+        with tracking.store_errors(tracking.tracking_uri(run.params.mlflow)):  # nothing written yet
+            _start_tracking(run)
+        with _tracking(run):
+            _log_new_rows(run)  # those a resumed run's tracking server missed
     run.forward.train()
     bar = tqdm(
         range(progress.step, cfg.max_steps if progress.stop_reason is None else progress.step),
@@ -456,7 +453,8 @@ def _loop(run: Run) -> None:
             _evaluate(run, row)
         if row is not None and ddp.main:
             progress.history.append(row)
-            tracking.log_step(progress.run_id, row)
+            with _tracking(run):
+                _log_new_rows(run)
         stop = progress.stop_reason is not None
         if ddp.main and (done % cfg.checkpoint_interval == 0 or done == cfg.max_steps or stop):
             _checkpoint(run)
@@ -464,6 +462,54 @@ def _loop(run: Run) -> None:
         if stop:
             break
     bar.close()
+
+
+def _start_tracking(run: Run) -> None:
+    """The MLflow run (a resumed training's own, tagged with the step it resumed at), its params
+    and the data report."""
+    progress = run.progress
+    mlrun = tracking.start_training_run(run.params, progress.run_id, run.manifest.get("sha256"))
+    progress.run_id = mlrun.info.run_id
+    if progress.step:
+        earlier = mlrun.data.tags.get("resumed_at_steps")
+        steps = f"{earlier},{progress.step}" if earlier else str(progress.step)
+        tracking.set_tags(progress.run_id, {"resumed_at_steps": steps})
+    tracking.log_params_once(
+        run.params,
+        progress.run_id,
+        extra={
+            "num_params": run.model.num_params(),
+            "world_size": run.ddp.world,
+            "device": run.device.type,
+            "compute_dtype": str(run.precision).removeprefix("torch."),
+            "compiled": run.compiled,
+        },
+    )
+    tracking.log_data_report(progress.run_id)
+
+
+@contextlib.contextmanager
+def _tracking(run: Run, checkpoint: bool = True) -> Iterator[None]:
+    """Tracking calls mid-run: a store that fails past MLflow's retries stops the run with a
+    checkpoint (the unlogged rows in it; `_finish` has one of the last step already) and one
+    line saying how to go on."""
+    try:
+        with tracking.store_errors(tracking.tracking_uri(run.params.mlflow)):
+            yield
+    except LmopsError as exc:
+        if checkpoint:
+            _checkpoint(run)
+        raise LmopsError(
+            f"{exc}; training stopped at step {run.progress.step} with a checkpoint in {run.ckpt_dir}: "
+            "run `lmops train` again to resume (into the same MLflow run)"
+        ) from None
+
+
+def _log_new_rows(run: Run) -> None:
+    progress = run.progress
+    for row in progress.history[progress.tracked_rows :]:
+        tracking.log_step(progress.run_id, row)
+        progress.tracked_rows += 1
 
 
 def _train_step(run: Run, step: int, lr: float) -> float:
@@ -557,15 +603,16 @@ def _finish(run: Run, out_dir: Path) -> ModelMeta:
     )
     write_model_dir(run.model, TOKENIZER_DIR, out_dir, meta)
     write_log(progress.history)
-    tracking.log_metrics(
-        progress.run_id,
-        {"best_step": progress.best_step, "best_val_loss": progress.best_val_loss},
-        step=progress.step,
-    )
-    tracking.set_tags(
-        progress.run_id, {"stop_reason": stop_reason, "exported_step": str(exported.get("step"))}
-    )
-    tracking.log_model(progress.run_id, out_dir)
-    tracking.end_run(progress.run_id)
+    with _tracking(run, checkpoint=False):
+        tracking.log_metrics(
+            progress.run_id,
+            {"best_step": progress.best_step, "best_val_loss": progress.best_val_loss},
+            step=progress.step,
+        )
+        tracking.set_tags(
+            progress.run_id, {"stop_reason": stop_reason, "exported_step": str(exported.get("step"))}
+        )
+        tracking.log_model(progress.run_id, out_dir)
+        tracking.end_run(progress.run_id)
     log.info("model written to %s (run %s)", out_dir, progress.run_id)
     return meta
