@@ -46,13 +46,18 @@ monitoring-tools: ## install Debian's prometheus + prometheus-alertmanager (prom
 	fi
 
 # The real clients the service tests drive (tests/service/test_clients.py), each in its own
-# venv (their pins clash with ours): lm-evaluation-harness and guidellm. torch first, so
-# no CUDA build is pulled in.
+# venv (their pins clash with ours): lm-evaluation-harness and guidellm. uv (pinned in
+# requirements-dev.lock) installs both: its cache hardlinks the big wheels (torch) into
+# each venv. torch is the CPU build, 2.13.0+cpu, from pip's configured find-links (a local
+# wheel directory), so the CUDA one is never resolved; elsewhere name a source for it:
+#   make client-tools CLIENT_TORCH_SOURCE='--extra-index-url https://download.pytorch.org/whl/cpu'
 CLIENTS := .venv-clients
-$(CLIENTS)/%/.installed-stamp: requirements-clients.txt
-	@test -x $(CLIENTS)/$*/bin/python || $(PYTHON) -m venv $(CLIENTS)/$*
-	$(CLIENTS)/$*/bin/python -m pip install --quiet torch==2.13.0
-	$(CLIENTS)/$*/bin/python -m pip install --quiet $$(grep -E '^$*[=\[]' requirements-clients.txt)
+PIP_FIND_LINKS ?= $(shell $(BIN)/python -m pip config get global.find-links 2>/dev/null)
+CLIENT_TORCH_SOURCE ?= $(addprefix --find-links ,$(PIP_FIND_LINKS))
+$(CLIENTS)/%/.installed-stamp: requirements-clients.txt $(STAMP)
+	UV_PYTHON_DOWNLOADS=never $(BIN)/uv venv --quiet --allow-existing --python $(PYTHON) $(CLIENTS)/$*
+	$(BIN)/uv pip install --quiet --python $(CLIENTS)/$*/bin/python $(CLIENT_TORCH_SOURCE) \
+		torch==2.13.0+cpu $$(grep -E '^$*[=\[]' requirements-clients.txt)
 	@touch $@
 
 client-tools: $(CLIENTS)/lm-eval/.installed-stamp $(CLIENTS)/guidellm/.installed-stamp ## venvs for lm-eval and guidellm (the live client tests)
