@@ -7,12 +7,11 @@ live /metrics in tests/service/test_endpoint_picker.py."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import yaml
 
 from tests.deploy.conftest import REPO
+from tests.deploy.test_canary import render as render_text
 from tests.deploy.test_kubernetes import validate
 
 GATEWAY_OVERLAYS = ["aks/gateway", "eks/gateway"]
@@ -27,11 +26,7 @@ DEPRECATED_METRIC_FLAGS = (
 
 
 def render(kubectl: str, overlay: str) -> list[dict]:
-    proc = subprocess.run(
-        [kubectl, "kustomize", f"deploy/{overlay}"], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0, proc.stderr
-    return list(yaml.safe_load_all(proc.stdout))
+    return list(yaml.safe_load_all(render_text(kubectl, overlay)))
 
 
 def named(docs: list[dict]) -> dict[tuple[str, str], dict]:
