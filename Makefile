@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 LINT_PATHS := src tests benchmarks production_service kubeflow deploy template.py
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-fast lint format mlflow-ui serve clean monitoring-tools browser-tools backends client-tools
+.PHONY: help install run test test-fast lint format mlflow-ui serve clean system-tools monitoring-tools browser-tools backends client-tools
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -33,55 +33,42 @@ test: install ## run the whole test suite
 test-fast: install ## unit tests only
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest tests/unit
 
-# Prometheus, promtool and amtool for tests/monitoring (real rules, a real Prometheus).
-# Fails where they are missing and apt-get is not there to install them: CI must not skip.
-monitoring-tools: ## install Debian's prometheus + prometheus-alertmanager (promtool, amtool) via apt
-	@if command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v amtool >/dev/null; then \
-		echo "prometheus, promtool and amtool are installed"; \
+# The Debian packages the tests run for real, in one apt-get where any is missing:
+# Prometheus, promtool and amtool (tests/monitoring: real rules, a real Prometheus),
+# Chromium (tests/browser.py: the plots page, the MLflow UI), PostgreSQL (tests/backends:
+# the MLflow backend store; moto's S3 server comes from requirements-dev.lock).
+# Fails where they are missing and apt-get is not there: CI must not skip.
+SYSTEM_PACKAGES := prometheus prometheus-alertmanager chromium postgresql
+system-tools: ## install Debian's prometheus, prometheus-alertmanager, chromium and postgresql via apt
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -z "$$missing" ]; then \
+		echo "$(SYSTEM_PACKAGES) are installed"; \
 	elif command -v apt-get >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager; \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	else \
-		echo "install Prometheus (prometheus, promtool) and Alertmanager (amtool) 2.x/0.2x: no apt-get here" >&2; exit 1; \
+		echo "install $$missing (Debian's packages: Prometheus 2.x, Alertmanager 0.2x, Chromium, PostgreSQL 13+): no apt-get here" >&2; exit 1; \
 	fi
 
-# Headless Chromium for the browser tests (tests/browser.py: the plots page, the MLflow UI).
-browser-tools: ## install Debian's chromium (headless screenshots in the tests) via apt
-	@if command -v chromium >/dev/null; then \
-		echo "chromium is installed"; \
-	elif command -v apt-get >/dev/null; then \
-		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium; \
-	else \
-		echo "install Chromium (the \`chromium\` command): no apt-get here" >&2; exit 1; \
-	fi
+monitoring-tools browser-tools: system-tools ## (the same packages, by what needs them)
 
-# The production backends tests/backends runs the pipeline against, for real: Debian's
-# PostgreSQL (the MLflow backend store) here, moto's S3 server (artifacts, the DVC remote)
-# from requirements-dev.lock. The tests start and stop the servers themselves.
-# Fails where PostgreSQL is missing and apt-get is not there to install it: CI must not skip.
-backends: install ## install Debian's postgresql via apt (moto_server, psycopg2, boto3 come with make install)
-	@if ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null; then \
-		echo "postgresql is installed"; \
-	elif command -v apt-get >/dev/null; then \
-		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends postgresql; \
-	else \
-		echo "install PostgreSQL 13 or later (initdb, pg_ctl): no apt-get here" >&2; exit 1; \
-	fi
+backends: system-tools install ## system-tools, and moto_server, psycopg2, boto3 from make install
 	@test -x $(BIN)/moto_server || { echo "$(BIN)/moto_server missing: make install (requirements-dev.lock pins moto[server])" >&2; exit 1; }
 
 # The real clients the service tests drive (tests/service/test_clients.py), each in its own
-# venv (their pins clash with ours): lm-evaluation-harness and guidellm. torch first, so
-# no CUDA build is pulled in.
+# venv (their pins clash with ours): lm-evaluation-harness and guidellm. uv (pinned in
+# requirements-dev.lock) installs both: its cache hardlinks the big wheels (torch) into
+# each venv. torch is the CPU build, 2.13.0+cpu, from pip's configured find-links (a local
+# wheel directory), so the CUDA one is never resolved; elsewhere name a source for it:
+#   make client-tools CLIENT_TORCH_SOURCE='--extra-index-url https://download.pytorch.org/whl/cpu'
 CLIENTS := .venv-clients
-$(CLIENTS)/%/.installed-stamp: requirements-clients.txt
-	@test -x $(CLIENTS)/$*/bin/python || $(PYTHON) -m venv $(CLIENTS)/$*
-	$(CLIENTS)/$*/bin/python -m pip install --quiet torch==2.13.0
-	$(CLIENTS)/$*/bin/python -m pip install --quiet $$(grep -E '^$*[=\[]' requirements-clients.txt)
+PIP_FIND_LINKS ?= $(shell $(BIN)/python -m pip config get global.find-links 2>/dev/null)
+CLIENT_TORCH_SOURCE ?= $(addprefix --find-links ,$(PIP_FIND_LINKS))
+$(CLIENTS)/%/.installed-stamp: requirements-clients.txt $(STAMP)
+	UV_PYTHON_DOWNLOADS=never $(BIN)/uv venv --quiet --allow-existing --python $(PYTHON) $(CLIENTS)/$*
+	$(BIN)/uv pip install --quiet --python $(CLIENTS)/$*/bin/python $(CLIENT_TORCH_SOURCE) \
+		torch==2.13.0+cpu $$(grep -E '^$*[=\[]' requirements-clients.txt)
 	@touch $@
 
 client-tools: $(CLIENTS)/lm-eval/.installed-stamp $(CLIENTS)/guidellm/.installed-stamp ## venvs for lm-eval and guidellm (the live client tests)

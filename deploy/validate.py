@@ -5,9 +5,12 @@ Built-in kinds go through kubernetes-validate (Kubernetes' OpenAPI schemas). The
 custom resources lmops ships, KServe InferenceService and Kubeflow PyTorchJob, are
 checked against the structural schemas in deploy/schemas/, and the pods they embed
 against Kubernetes' PodTemplate schema; prometheus-operator's PodMonitor and
-PrometheusRule, and Argo Rollouts' Rollout (its pod too) and AnalysisTemplate,
-against their CRDs' own schemas, made strict (deploy/schemas/import_crd.py). Any
-other kind fails.
+PrometheusRule, Argo Rollouts' Rollout (its pod too) and AnalysisTemplate, the
+Inference Extension's InferencePool and the Gateway API's HTTPRoute against their
+CRDs' own schemas, made strict (deploy/schemas/import_crd.py). llm-d-router's
+EndpointPickerConfig has no CRD: a ConfigMap's file that is one, or such a file
+itself, is checked against deploy/schemas/endpointpickerconfig.json (derived from its
+Go types), and every pluginRef in it must name one of its plugins. Any other kind fails.
 
     python deploy/validate.py FILE...      ('-' reads standard input)
 """
@@ -33,6 +36,9 @@ CUSTOM_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
     ("argoproj.io/v1alpha1", "Rollout"): "rollout.json",
     ("argoproj.io/v1alpha1", "AnalysisTemplate"): "analysistemplate.json",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute.json",
+    ("llm-d.ai/v1alpha1", "EndpointPickerConfig"): "endpointpickerconfig.json",
 }
 # A KServe predictor is a PodSpec plus these fields (checked by inferenceservice.json).
 KSERVE_PREDICTOR_FIELDS = {
@@ -62,6 +68,30 @@ def embedded_pod_templates(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
+def endpoint_picker_configs(doc: dict[str, Any]) -> dict[str, Any]:
+    """The files of a ConfigMap that are EndpointPickerConfigs, by key."""
+    found = {}
+    for key, text in (doc.get("data") or {}).items():
+        try:
+            parsed = yaml.safe_load(text)
+        except yaml.YAMLError:
+            continue
+        if isinstance(parsed, dict) and parsed.get("kind") == "EndpointPickerConfig":
+            found[key] = parsed
+    return found
+
+
+def dangling_plugin_refs(config: dict[str, Any]) -> list[str]:
+    """pluginRefs that name no plugin (the picker refuses to start on them)."""
+    names = {p.get("name") or p["type"] for p in config["plugins"]}
+    data_layer = config.get("dataLayer") or {}
+    refs = [p["pluginRef"] for profile in config["schedulingProfiles"] for p in profile["plugins"]]
+    for source in data_layer.get("sources", []):
+        refs += [source["pluginRef"], *(e["pluginRef"] for e in source["extractors"])]
+    refs += [p["pluginRef"] for p in (config.get("requestHandler") or {}).get("parsers", [])]
+    return [f"pluginRef {ref!r} names no plugin" for ref in refs if ref not in names]
+
+
 def problems(doc: Any) -> list[str]:
     """Everything wrong with one manifest document (empty when it is valid)."""
     if not isinstance(doc, dict) or "apiVersion" not in doc or "kind" not in doc:
@@ -70,9 +100,17 @@ def problems(doc: Any) -> list[str]:
     try:
         if schema_file is None:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-            return []
+            if doc["kind"] != "ConfigMap":
+                return []
+            return [
+                f"data.{key}: {problem}"
+                for key, config in endpoint_picker_configs(doc).items()
+                for problem in problems(config)
+            ]
         schema = json.loads((SCHEMAS / schema_file).read_text())
         jsonschema.validate(doc, schema)
+        if doc["kind"] == "EndpointPickerConfig":
+            return dangling_plugin_refs(doc)
         found = []
         for where, template in embedded_pod_templates(doc).items():
             wrapped = {

@@ -63,7 +63,7 @@ class Runtime:
         return self.loop is None or self.loop.healthy()
 
     def _load(self) -> None:
-        from lmops.runtime.engine import EngineLoop, EngineMetrics, LLMEngine, SamplingParams
+        from lmops.runtime.engine import EngineLoop, LLMEngine, SamplingParams
 
         try:
             model = resolve_model(self.config.model_dir, self.config.model_uri, self.config.model_cache)
@@ -75,7 +75,7 @@ class Runtime:
                 compile_template(chat_template)  # a template that does not parse fails the load
             engine = LLMEngine.from_pretrained(model.path, self.config.engine)
             engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0, max_tokens=8))
-            engine.metrics = EngineMetrics()  # the warm-up is not a request anyone made
+            engine.reset_metrics()  # the warm-up is not a request anyone made
             loop = EngineLoop(engine, max_queued=self.config.max_queued)
             faults.inject(engine, loop)  # LMOPS_FAULT_*: off unless set
         except Exception as exc:  # any failure to load is fatal: one clear line, no traceback

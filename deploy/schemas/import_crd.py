@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Turn a CustomResourceDefinition into the strict JSON schema deploy/validate.py uses.
 
-    python deploy/schemas/import_crd.py CRD.yaml ORIGIN > deploy/schemas/<kind>.json
+    python deploy/schemas/import_crd.py CRD.yaml ORIGIN [VERSION] > deploy/schemas/<kind>.json
 
 ORIGIN says where the CRD came from (repository, tag, path). Takes the served
-version's openAPIV3Schema, drops the descriptions (most of its size), makes it
+version's openAPIV3Schema (VERSION names it where the CRD serves several), drops the descriptions (most of its size), makes it
 strict like `kubectl --validate=strict` (no additional properties wherever the CRD
 lists them, except where it preserves unknown fields: the API server would prune
 them silently) and pins apiVersion and kind.
@@ -43,12 +43,13 @@ def strict(schema: Any) -> Any:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
+    if len(argv) not in (2, 3):
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    crd_file, origin = argv
+    crd_file, origin, *wanted = argv
     crd = yaml.safe_load(Path(crd_file).read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v.get("served")]
+    served = [v for v in crd["spec"]["versions"] if v.get("served")]
+    (version,) = [v for v in served if not wanted or v["name"] == wanted[0]]
     api_version, kind = f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"]
     body = strict(version["schema"]["openAPIV3Schema"])
     body["properties"].update(apiVersion={"const": api_version}, kind={"const": kind})

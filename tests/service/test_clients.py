@@ -1,9 +1,9 @@
 """Real clients against a live replica, run as their own documentation says, nothing
 patched: lm-evaluation-harness (`local-completions` through the API agrees per request
 with `hf` on the same model directory) and guidellm (both request formats, no errors).
-They live in their own venvs under .venv-clients/ (`make client-tools`, about 9 minutes cold:
-too long for .ci/run's budget until a wheel cache makes it quick, so CI does not install them
-yet); skipped, saying so, where those are missing."""
+They live in their own venvs under .venv-clients/ (`make client-tools`, about half a minute
+cold with uv); skipped, saying so, where those are missing. .ci/run does not make them: their
+runs take about a minute and a half, which its 20-minute budget does not have today."""
 
 from __future__ import annotations
 

@@ -140,6 +140,8 @@ def test_prometheus_metrics(model_dir, prompts):
     assert value("lmops:num_requests_running") == 0 and value("lmops:num_requests_waiting") == 0
     assert value("lmops:kv_cache_usage_perc") == 0
     assert value("lmops:num_preemptions_total") == 0
+    cache = {"block_size": "16", "num_gpu_blocks": str(len(engine.block_manager.blocks))}
+    assert value("lmops:cache_config_info", {**cache, "enable_prefix_caching": "True"}) == 1
     assert [o.metrics.num_cached_tokens for o in outs] == [0, 64, 64, 64]
     text = generate_latest(engine.metrics.registry).decode()
     assert "lmops:kv_cache_usage_perc" in text

@@ -82,7 +82,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, self.block_size, engine_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.pool, compile_up_to)
-        self.metrics = EngineMetrics()
+        self.reset_metrics()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         # Drift sampling is systematic (every 1/drift_sample-th request), so runs are reproducible.
@@ -124,6 +124,15 @@ class LLMEngine:
         tokenizer = load_tokenizer(d)
         model = Llama.from_pretrained(d, dev, dt)
         return cls(model, tokenizer, ec, eos_token_ids=eos_token_ids(d, model.config.eos_token_id))
+
+    def reset_metrics(self) -> None:
+        """Fresh Prometheus metrics (the service drops its warm-up's); the cache's shape stays."""
+        self.metrics = EngineMetrics()
+        self.metrics.set_cache_config(
+            block_size=self.block_size,
+            num_blocks=len(self.block_manager.blocks),
+            prefix_caching=self.engine_config.enable_prefix_caching,
+        )
 
     def _num_blocks(self, kv_cache_memory: int | None) -> int:
         per_block = KVPool.bytes_per_block(self.model_config, self.block_size, self.dtype)

@@ -128,6 +128,21 @@ class EngineMetrics:
             registry=r,
         )
         self.reference_bpb: Gauge | None = None  # created only when the model has a reference
+        # vLLM's cache_config_info: the cache's shape as labels (value 1), which the
+        # Inference Gateway's prefix-cache producer reads to size its blocks and index.
+        self.cache_config = Gauge(
+            "lmops:cache_config_info",
+            "KV cache configuration (labels; value 1).",
+            ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=r,
+        )
+
+    def set_cache_config(self, *, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
+        self.cache_config.labels(
+            block_size=str(block_size),
+            num_gpu_blocks=str(num_blocks),
+            enable_prefix_caching=str(prefix_caching),
+        ).set(1)
 
     def set_reference_bits_per_byte(self, value: float) -> None:
         """The served model's test bits/byte from promotion: what `prompt_bits_per_byte` compares to."""

@@ -1,0 +1,173 @@
+"""The Inference Gateway overlays (deploy/<cloud>/gateway, the deploy/gateway component):
+rendered by kubectl kustomize, validated strictly (InferencePool and HTTPRoute against
+their pinned CRD schemas, the picker's EndpointPickerConfig against the schema derived
+from its Go types), and wired as the picker needs: pool -> pods and picker, route ->
+pool, picker -> the pods' metrics. The metric names themselves are checked against a
+live /metrics in tests/service/test_endpoint_picker.py."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.deploy.conftest import REPO
+from tests.deploy.test_canary import render as render_text
+from tests.deploy.test_kubernetes import validate
+
+GATEWAY_OVERLAYS = ["aks/gateway", "eks/gateway"]
+# llm-d-router v0.10.0 exits when any of these is set (pkg/epp/server/options.go).
+DEPRECATED_METRIC_FLAGS = (
+    "--total-queued-requests-metric",
+    "--total-running-requests-metric",
+    "--kv-cache-usage-percentage-metric",
+    "--lora-info-metric",
+    "--cache-info-metric",
+)
+
+
+def render(kubectl: str, overlay: str) -> list[dict]:
+    return list(yaml.safe_load_all(render_text(kubectl, overlay)))
+
+
+def named(docs: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+@pytest.fixture(scope="module")
+def rendered(kubectl) -> dict[str, list[dict]]:
+    return {overlay: render(kubectl, overlay) for overlay in GATEWAY_OVERLAYS}
+
+
+@pytest.mark.parametrize("overlay", GATEWAY_OVERLAYS)
+def test_gateway_overlay_is_valid_and_the_plain_one_plus_the_gateway(rendered, kubectl, overlay, tmp_path):
+    (tmp_path / "rendered.yaml").write_text(yaml.safe_dump_all(rendered[overlay]))
+    proc = validate(tmp_path / "rendered.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    gateway, plain = named(rendered[overlay]), named(render(kubectl, overlay.split("/")[0]))
+    added = {key for key in gateway if key not in plain}
+    assert {kind for kind, _ in added} == {
+        "InferencePool",
+        "HTTPRoute",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "ConfigMap",
+        "Deployment",
+        "Service",
+        "NetworkPolicy",
+    }
+    assert set(plain) <= set(gateway)
+    assert all(d["metadata"]["namespace"] == "lmops" for key, d in gateway.items() if key[0] != "Namespace")
+    for key in set(plain) - {("Deployment", "lmops"), ("Service", "lmops")}:
+        assert gateway[key] == plain[key]
+    # Behind the gateway the Service is internal; the pods only gain the engine label.
+    assert gateway["Service", "lmops"]["spec"]["type"] == "ClusterIP"
+    pods = gateway["Deployment", "lmops"]["spec"]["template"]
+    plain_pods = plain["Deployment", "lmops"]["spec"]["template"]
+    assert pods["spec"] == plain_pods["spec"]
+    assert pods["metadata"]["labels"] == {**plain_pods["metadata"]["labels"], "llm-d.ai/engine-type": "lmops"}
+
+
+def test_pool_route_and_picker_are_wired_together(rendered):
+    docs = named(rendered["aks/gateway"])
+    pool, route = docs["InferencePool", "lmops"]["spec"], docs["HTTPRoute", "lmops"]["spec"]
+    lmops = docs["Deployment", "lmops"]["spec"]["template"]
+    (server,) = lmops["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    # The pool selects the lmops pods (and nothing of the picker's) on the API port.
+    assert pool["selector"]["matchLabels"].items() <= lmops["metadata"]["labels"].items()
+    epp_pods = docs["Deployment", "lmops-epp"]["spec"]["template"]
+    assert not pool["selector"]["matchLabels"].items() <= epp_pods["metadata"]["labels"].items()
+    assert pool["targetPorts"] == [{"number": ports["http"]}]
+    # The pool's picker is the EPP Service's ext-proc port, which reaches the EPP container.
+    ref = pool["endpointPickerRef"]
+    epp_service = docs["Service", ref["name"]]["spec"]
+    (ext_proc,) = [p for p in epp_service["ports"] if p["port"] == ref["port"]["number"]]
+    (epp,) = epp_pods["spec"]["containers"]
+    assert {p["name"]: p["containerPort"] for p in epp["ports"]}[ext_proc["targetPort"]] == 9002
+    assert epp_service["selector"].items() <= epp_pods["metadata"]["labels"].items()
+    # Completions and chat go through the pool; the rest straight to the Service.
+    pooled, rest = route["rules"]
+    assert {m["path"]["value"] for m in pooled["matches"]} == {"/v1/completions", "/v1/chat/completions"}
+    assert pooled["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "lmops"}
+    ]
+    assert rest["backendRefs"] == [{"name": "lmops", "port": 5001}]
+    # The picker watches this pool, reads the mounted config, and no deprecated flag.
+    args = dict(a.removeprefix("--").split("=", 1) for a in epp["args"])
+    assert args["pool-name"] == "lmops" and args["pool-namespace"] == "lmops"
+    assert args["pool-group"] == "inference.networking.k8s.io"
+    assert not [a for a in epp["args"] if a.startswith(DEPRECATED_METRIC_FLAGS)]
+    (mount,) = [m for m in epp["volumeMounts"] if m["name"] == "config"]
+    (volume,) = [v for v in epp_pods["spec"]["volumes"] if v["name"] == "config"]
+    config_map = docs["ConfigMap", volume["configMap"]["name"]]
+    directory, key = args["config-file"].rsplit("/", 1)
+    assert directory == mount["mountPath"] and key in config_map["data"]
+    config = yaml.safe_load(config_map["data"][key])
+    # It reads lmops' metrics as engine `lmops`, on the probe port, where /metrics is.
+    plugins = {p["type"]: p.get("parameters", {}) for p in config["plugins"]}
+    extractor = plugins["core-metrics-extractor"]
+    assert extractor["defaultEngine"] == lmops["metadata"]["labels"]["llm-d.ai/engine-type"]
+    assert [e["name"] for e in extractor["engineConfigs"]] == ["lmops"]
+    assert plugins["metrics-data-source"]["port"] == ports["probes"] == int(env["LMOPS_PROBE_PORT"])
+    assert plugins["metrics-data-source"]["path"] == "/metrics"
+    # Prefix-cache-aware scoring: the prefix scorer weighs most, beside queue and KV cache.
+    (profile,) = config["schedulingProfiles"]
+    weights = {p["pluginRef"]: p.get("weight") for p in profile["plugins"]}
+    assert weights == {
+        "prefix-cache-scorer": 3,
+        "queue-scorer": 2,
+        "kv-cache-utilization-scorer": 2,
+        "max-score-picker": None,
+    }
+    assert plugins["approx-prefix-cache-producer"] == {"autoTune": True}  # sized by cache_config_info
+
+
+def test_network_policies_let_the_picker_scrape_and_the_gateway_reach_it(rendered):
+    docs = named(rendered["aks/gateway"])
+    scrape = docs["NetworkPolicy", "lmops-from-endpoint-picker"]["spec"]
+    epp_labels = docs["Deployment", "lmops-epp"]["spec"]["template"]["metadata"]["labels"]
+    lmops_labels = docs["Deployment", "lmops"]["spec"]["template"]["metadata"]["labels"]
+    assert scrape["podSelector"]["matchLabels"].items() <= lmops_labels.items()
+    (rule,) = scrape["ingress"]
+    (peer,) = rule["from"]
+    assert rule["ports"] == [{"port": "probes", "protocol": "TCP"}]
+    assert peer["podSelector"]["matchLabels"].items() <= epp_labels.items()
+    epp = docs["NetworkPolicy", "lmops-epp"]["spec"]
+    rules = {rule["ports"][0]["port"]: rule.get("from") for rule in epp["ingress"]}
+    assert rules == {
+        "grpc": None,  # the gateway, wherever its implementation runs it
+        "metrics": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+    }
+
+
+def test_gateway_validation_is_strict(rendered, tmp_path):
+    """One fault in each kind the gateway adds, and in the picker's config: each fails."""
+    docs = named(yaml.safe_load_all(yaml.safe_dump_all(rendered["aks/gateway"])))  # a deep copy
+    docs["InferencePool", "lmops"]["spec"]["targetPort"] = 5001
+    docs["HTTPRoute", "lmops"]["spec"]["rules"][0]["backendRefs"][0]["kindd"] = "InferencePool"
+    (config_map,) = [d for (kind, _), d in docs.items() if kind == "ConfigMap"]
+    config = yaml.safe_load(config_map["data"]["epp-config.yaml"])
+    faults = []
+    for fault in (
+        lambda c: c["plugins"][0]["parameters"].update(prot=5002),  # unknown parameter
+        lambda c: c.update(schedulingProfile=[]),  # unknown top-level field
+        lambda c: c["schedulingProfiles"][0]["plugins"].append({"pluginRef": "queue-scorr"}),
+        lambda c: c["plugins"].append({"type": "queue-scorr"}),  # no such plugin type
+        lambda c: c["plugins"][1]["parameters"]["engineConfigs"][0].update(kvUsageSpec="lmops kv"),
+    ):
+        broken = yaml.safe_load(yaml.safe_dump(config))
+        fault(broken)
+        faults.append({**config_map, "data": {"epp-config.yaml": yaml.safe_dump(broken)}})
+    (tmp_path / "bad.yaml").write_text(
+        yaml.safe_dump_all([docs["InferencePool", "lmops"], docs["HTTPRoute", "lmops"], *faults])
+    )
+    proc = validate(tmp_path / "bad.yaml")
+    assert proc.returncode != 0 and proc.stdout.count("FAIL") == 7, proc.stdout
+    assert "queue-scorr' names no plugin" in proc.stdout
+
+
+def test_the_picker_config_file_validates_on_its_own():
+    proc = validate(REPO / "deploy/gateway/epp-config.yaml")
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
