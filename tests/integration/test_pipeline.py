@@ -84,8 +84,10 @@ def test_repro_produces_every_output(project):
     assert val_rows[0] == "step,tokens,val_loss" and [r.split(",")[0] for r in val_rows[1:]] == ["10", "20"]
     shown = run([str(BIN / "dvc"), "metrics", "show", "--json"], project).stdout
     assert "test_bits_per_byte" in shown
-    table = run([str(BIN / "dvc"), "metrics", "show"], project).stdout.splitlines()
-    assert "data_metrics.json" in table[1] and max(map(len, table)) < 200, table  # one readable table
+    # One readable table: the data report's headline numbers, not its ~40 nested fields.
+    columns = run([str(BIN / "dvc"), "metrics", "show"], project).stdout.splitlines()[0].split()
+    data = json.loads((project / "artifacts/data_metrics.json").read_text())
+    assert set(data) <= set(columns) and len(columns) < 16 and "document_bytes.p50" not in columns, columns
     run([str(BIN / "dvc"), "plots", "show", "-o", str(project / "plots-html")], project)
     assert (project / "plots-html/index.html").is_file()
 
@@ -149,8 +151,8 @@ def mlflow_ui(project, port: int):
 
 def _answers(url: str) -> bool:
     try:
-        return requests.get(url, timeout=2).ok
-    except requests.ConnectionError:
+        return requests.get(url, timeout=5).ok
+    except requests.RequestException:  # not listening yet, or too busy starting to answer
         return False
 
 
