@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Kubeflow: serve with KServe, train with a PyTorchJob, run the KFP pipeline.
+# Kubeflow: serve with KServe, train with a Trainer v2 TrainJob, run the KFP pipeline.
 #
 #   deploy/kubeflow.sh [--dry-run] deploy     InferenceService (GPU=1: the GPU variant),
 #                                             waits until it is Ready; CANARY=1: a canary
 #                                             release (below)
-#   deploy/kubeflow.sh [--dry-run] train      PyTorchJob lmops-train (replaces a finished one)
+#   deploy/kubeflow.sh [--dry-run] train      TrainJob lmops-train on the ClusterTrainingRuntime
+#                                             lmops-torch (replaces a finished one)
 #   deploy/kubeflow.sh [--dry-run] pipeline   compiles kubeflow/pipeline.py with the image
 #                                             and starts a run on KFP_HOST
 #   deploy/kubeflow.sh [--dry-run] schedule   the same as a recurring run (KFP_CRON, KFP's
@@ -105,9 +106,9 @@ case "$action" in
     if [ -n "$patch" ]; then canary_release; fi
     ;;
   train)
-    LMOPS_API_KEY="" render kubeflow/pytorchjob.yaml lmops "$image" "$namespace"
+    LMOPS_API_KEY="" render kubeflow/trainjob.yaml lmops "$image" "$namespace"
     use_cluster kubeflow
-    run kubectl --namespace "$namespace" delete pytorchjob lmops-train --ignore-not-found
+    run kubectl --namespace "$namespace" delete trainjob lmops-train --ignore-not-found
     run kubectl apply --filename "$WORK/manifests.yaml"
     ;;
   pipeline | schedule)

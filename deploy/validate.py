@@ -2,15 +2,16 @@
 """Validate Kubernetes manifests offline and strictly (an unknown field is an error).
 
 Built-in kinds go through kubernetes-validate (Kubernetes' OpenAPI schemas). The
-custom resources lmops ships, KServe InferenceService and Kubeflow PyTorchJob, are
-checked against the structural schemas in deploy/schemas/, and the pods they embed
-against Kubernetes' PodTemplate schema; prometheus-operator's PodMonitor and
-PrometheusRule, Argo Rollouts' Rollout (its pod too) and AnalysisTemplate, the
-Inference Extension's InferencePool and the Gateway API's HTTPRoute against their
-CRDs' own schemas, made strict (deploy/schemas/import_crd.py). llm-d-router's
-EndpointPickerConfig has no CRD: a ConfigMap's file that is one, or such a file
-itself, is checked against deploy/schemas/endpointpickerconfig.json (derived from its
-Go types), and every pluginRef in it must name one of its plugins. Any other kind fails.
+custom resources lmops ships, KServe InferenceService, are checked against the
+structural schemas in deploy/schemas/, and the pods they embed against Kubernetes'
+PodTemplate schema; Kubeflow Trainer v2's TrainJob and ClusterTrainingRuntime (its
+pods too), prometheus-operator's PodMonitor and PrometheusRule, Argo Rollouts' Rollout
+(its pod too) and AnalysisTemplate, the Inference Extension's InferencePool and the
+Gateway API's HTTPRoute against their CRDs' own schemas, made strict
+(deploy/schemas/import_crd.py). llm-d-router's EndpointPickerConfig has no CRD: a
+ConfigMap's file that is one, or such a file itself, is checked against
+deploy/schemas/endpointpickerconfig.json (derived from its Go types), and every
+pluginRef in it must name one of its plugins. Any other kind fails.
 
     python deploy/validate.py FILE...      ('-' reads standard input)
 """
@@ -31,7 +32,8 @@ KUBERNETES_VERSION = "1.37.0"
 SCHEMAS = Path(__file__).with_name("schemas")
 CUSTOM_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice.json",
-    ("kubeflow.org/v1", "PyTorchJob"): "pytorchjob.json",
+    ("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainjob.json",
+    ("trainer.kubeflow.org/v1alpha1", "ClusterTrainingRuntime"): "clustertrainingruntime.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
     ("argoproj.io/v1alpha1", "Rollout"): "rollout.json",
@@ -60,11 +62,13 @@ def embedded_pod_templates(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         return {"spec.predictor": {"spec": pod}}
     if doc["kind"] == "Rollout" and "template" in doc["spec"]:
         return {"spec.template": doc["spec"]["template"]}
-    if doc["kind"] != "PyTorchJob":
+    if doc["kind"] != "ClusterTrainingRuntime":
         return {}
-    return {
-        f"spec.pytorchReplicaSpecs.{role}.template": replica["template"]
-        for role, replica in doc["spec"]["pytorchReplicaSpecs"].items()
+    return {  # a JobSet's replicated Jobs, each with its pod template
+        f"spec.template.spec.replicatedJobs.{job['name']}.template.spec.template": job["template"]["spec"][
+            "template"
+        ]
+        for job in doc["spec"]["template"]["spec"]["replicatedJobs"]
     }
 
 

@@ -8,6 +8,7 @@ holds the bucket's credentials; the pipeline gets `MLFLOW_TRACKING_URI=http://..
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +160,16 @@ class Backends:
     postgres: Postgres
     s3_endpoint: str
     mlflow: Process
+
+    @contextlib.contextmanager
+    def tracking_server_down(self) -> Iterator[None]:
+        """The tracking server killed for the block, started again after it, even when the
+        block fails (the module's later tests need it)."""
+        self.mlflow.stop()
+        try:
+            yield
+        finally:
+            self.mlflow.start()
 
     @property
     def tracking_uri(self) -> str:

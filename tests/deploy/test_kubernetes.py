@@ -16,7 +16,7 @@ OVERLAYS = ["aks", "aks/gpu", "eks", "eks/gpu"]
 KUBEFLOW = [
     "kubeflow/inferenceservice.yaml",
     "kubeflow/inferenceservice-gpu.yaml",
-    "kubeflow/pytorchjob.yaml",
+    "kubeflow/trainjob.yaml",
 ]
 REGISTRY = {"aks": ".azurecr.io/lmops@", "eks": ".dkr.ecr.us-east-1.amazonaws.com/lmops@"}
 # What an overlay applied by hand pulls: nothing (deploy.sh pins the pushed image's digest).
@@ -180,19 +180,34 @@ def test_inference_services_serve_our_image_on_5001():
         assert ("nvidia.com/gpu" in container["resources"]["limits"]) == on_gpu
 
 
-def test_pytorchjob_runs_the_train_stage_with_torchrun_on_a_shared_workspace():
-    pvc, job = yaml.safe_load_all((REPO / "kubeflow/pytorchjob.yaml").read_text())
+def test_trainjob_runs_the_train_stage_with_torchrun_on_a_trainer_v2_runtime():
+    pvc, runtime, job = yaml.safe_load_all((REPO / "kubeflow/trainjob.yaml").read_text())
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
-    replicas = job["spec"]["pytorchReplicaSpecs"]
-    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] >= 1
-    for replica in replicas.values():
-        pod = replica["template"]["spec"]
-        (container,) = pod["containers"]
-        command = container["command"]
-        assert command[0] == "torchrun" and command[-3:] == ["-m", "lmops.pipeline.cli", "train"]
-        assert any(a.startswith("--nproc_per_node=") for a in command)
-        assert container["workingDir"] == "/workspace"
-        assert any(
-            v.get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"]
-            for v in pod["volumes"]
-        )
+    assert (runtime["kind"], job["kind"]) == ("ClusterTrainingRuntime", "TrainJob")
+    assert job["spec"]["runtimeRef"] == {
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "ClusterTrainingRuntime",
+        "name": runtime["metadata"]["name"],
+    }
+    assert (
+        "torch" in runtime["spec"]["mlPolicy"]
+        and runtime["metadata"]["labels"]["trainer.kubeflow.org/framework"] == "torch"
+    )
+    trainer = job["spec"]["trainer"]
+    assert trainer["command"] == [
+        "torchrun",
+        "-m",
+        "lmops.pipeline.cli",
+        "train",
+    ]  # PET_* from the torch policy
+    assert trainer["numNodes"] >= 2 and trainer["numProcPerNode"] == 1
+    [node] = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    assert node["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+    pod = node["template"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["name"] == "node" and container["workingDir"] == "/workspace"
+    assert container["image"].startswith("lmops:")  # deploy/kubeflow.sh sets the pipeline image
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert any(
+        v.get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"] for v in pod["volumes"]
+    )

@@ -160,7 +160,7 @@ DRY_RUNS = [
         "kubeflow.sh",
         ("train",),
         {},
-        ["delete pytorchjob lmops-train --ignore-not-found", "kubectl apply"],
+        ["delete trainjob lmops-train --ignore-not-found", "kubectl apply"],
     ),
     (
         "kubeflow.sh",

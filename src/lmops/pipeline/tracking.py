@@ -68,7 +68,9 @@ def store_errors(uri: str) -> Iterator[None]:
                 "20 s): run the command again when it is free"
             ) from None
         if "Max retries exceeded" in first:  # the REST client's retries are spent
-            cause = re.search(r"\[Errno -?\d+\] [^\"')]+|Read timed out", first)
+            cause = re.search(
+                r"\[Errno -?\d+\] [^\"')]+|Read timed out|Remote end closed connection[^\"')]*", first
+            )
             raise LmopsError(
                 f"MLflow tracking server {uri} is unreachable ({cause[0] if cause else 'no answer'}, "
                 f"after {mlflow.environment_variables.MLFLOW_HTTP_REQUEST_MAX_RETRIES.get()} retries): "
