@@ -155,7 +155,7 @@ def make_trained_model_dir(directory: Path, steps: int = 150, seed: int = 0) -> 
     from lmops.pipeline.tokenize_stage import save_tokenizer, train_tokenizer
     from lmops.runtime.model import Llama, LlamaConfig
     from lmops.runtime.model_dir import ModelMeta, write_meta
-    from lmops.runtime.tokenizer import encode
+    from lmops.runtime.tokenizer import chunks, encode
 
     files = sorted(p for p in Path(json.__file__).parents[1].glob("*.py") if p.stat().st_size < 60_000)
     texts = [p.read_text(errors="replace") for p in files[:40]]
@@ -180,7 +180,9 @@ def make_trained_model_dir(directory: Path, steps: int = 150, seed: int = 0) -> 
             loss.backward()
             opt.step()
         model.eval()
-        ref = score(model, tok, test_text, EvaluateConfig(max_batches=8, batch_size=8))["bits_per_byte"]
+        ref = score(model, tok, chunks(test_text), EvaluateConfig(max_batches=8, batch_size=8))[
+            "bits_per_byte"
+        ]
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(directory)

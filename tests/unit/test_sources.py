@@ -265,8 +265,8 @@ def test_source_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(LmopsError, match="directory .*empty has no files"):
         get(tmp_path, tmp_path / "empty")
-    with pytest.raises(LmopsError, match=r"s3:// needs an optional extra: pip install 'lmops\[s3\]'"):
-        get(tmp_path, "s3://bucket/corpus/*.jsonl")
+    with pytest.raises(LmopsError, match=r"gs:// needs an optional extra: pip install 'lmops\[gcs\]'"):
+        get(tmp_path, "gs://bucket/corpus/*.jsonl")  # s3fs comes with dvc-s3; gcsfs is not installed
     (tmp_path / "c.txt").write_text("a\n\nb\n")
     with pytest.raises(LmopsError, match="sha256 mismatch"):
         get(tmp_path, tmp_path / "c.txt", sha256="0" * 64)

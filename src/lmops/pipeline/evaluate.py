@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 def score(model: Llama, tokenizer, pieces: Iterable[str], cfg: EvaluateConfig) -> dict:
     """NLL over non-overlapping max_seq_len windows of the text in `pieces` (as `chunks`
     cuts it; at most max_batches batches of windows), encoded only as far as they reach."""
+    if isinstance(pieces, str):  # a str iterates as characters: each would be encoded alone
+        raise TypeError("score takes the text's pieces (lmops.runtime.tokenizer.chunks), not a str")
     needed = cfg.max_batches * cfg.batch_size * model.config.max_seq_len + 1
     ids = encode_pieces(tokenizer, pieces, at_least=needed)
     if len(ids) < 2:
