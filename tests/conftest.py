@@ -79,6 +79,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def assert_pull_restores(clone: Path, project: Path, dvc: str) -> None:
+    """`dvc pull` in `clone` brings back the pipeline's outputs byte for byte."""
+    run([dvc, "pull"], clone)
+    for rel in (
+        "artifacts/model/model.safetensors",
+        "data/processed/test.txt",
+        "artifacts/tokenizer/tokenizer.json",
+    ):
+        assert (clone / rel).read_bytes() == (project / rel).read_bytes()
+    assert "up to date" in run([dvc, "status"], clone).stdout
+
+
 def write_params(project: Path, overrides: dict, base: Path = REPO / "params.yaml") -> None:
     """params.yaml for `project`: `base` with `overrides` merged in, section by section."""
     params = yaml.safe_load(base.read_text())

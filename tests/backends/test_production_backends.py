@@ -24,7 +24,7 @@ from mlflow.entities import LoggedModelStatus
 from lmops.crash_points import PAUSE_ENV
 from lmops.runtime.model_dir import MODEL_FILES
 from tests.backends.conftest import BUCKET, S3_KEYS
-from tests.conftest import BIN, env, make_project, run, write_params
+from tests.conftest import BIN, assert_pull_restores, env, make_project, run, write_params
 from tests.service.conftest import start_server
 
 pytestmark = pytest.mark.slow
@@ -252,11 +252,4 @@ def test_dvc_push_and_pull_through_the_s3_api(project, backends, tmp_path):
     run(["git", "clone", "-q", str(project), str(clone)], tmp_path)
     assert not (clone / "artifacts/model").exists()
     use_remote(clone)
-    run([dvc, "pull"], clone)
-    for rel in (
-        "artifacts/model/model.safetensors",
-        "data/processed/test.txt",
-        "artifacts/tokenizer/tokenizer.json",
-    ):
-        assert (clone / rel).read_bytes() == (project / rel).read_bytes()
-    assert "up to date" in run([dvc, "status"], clone).stdout
+    assert_pull_restores(clone, project, dvc)

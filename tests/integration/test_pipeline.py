@@ -26,7 +26,7 @@ from lmops.pipeline.tokenize_stage import read_tokens
 from lmops.runtime.model import Llama
 from lmops.runtime.model_dir import MODEL_FILES
 from tests.browser import colours, render, visible_text
-from tests.conftest import BIN, REPO, env, free_port, make_project, run, write_params
+from tests.conftest import BIN, REPO, assert_pull_restores, env, free_port, make_project, run, write_params
 
 pytestmark = pytest.mark.slow
 REPORTS = REPO / "reports"  # the browser tests' screenshots, for people to look at
@@ -402,12 +402,5 @@ def test_push_and_pull_through_a_local_remote(project, tmp_path):
     clone = tmp_path / "clone"
     run(["git", "clone", "-q", str(project), str(clone)], tmp_path)
     assert not (clone / "artifacts/model").exists()
-    run([dvc, "pull"], clone)
-    for rel in (
-        "artifacts/model/model.safetensors",
-        "data/processed/test.txt",
-        "artifacts/tokenizer/tokenizer.json",
-    ):
-        assert (clone / rel).read_bytes() == (project / rel).read_bytes()
-    assert "up to date" in run([dvc, "status"], clone).stdout
+    assert_pull_restores(clone, project, dvc)
     shutil.rmtree(clone)
