@@ -1,6 +1,7 @@
 """Load benchmark of the service: C concurrent streaming clients against the real
-gunicorn server on 127.0.0.1 for T seconds, then the same workload straight
-through the engine in-process, so the HTTP overhead reads as a ratio.
+gunicorn server on 127.0.0.1 for T seconds, on /v1/completions and on
+/v1/chat/completions, then the same workload straight through the engine
+in-process, so the HTTP overhead (and chat's over completions') reads as a ratio.
 
     python benchmarks/load.py [--clients 32] [--duration 30] [--max-tokens 64]
                               [--model-dir DIR] [--url http://127.0.0.1:5001 --api-key KEY]
@@ -14,6 +15,8 @@ the training default size (vocab 4096, 4 layers, 192 wide, context 256).
 Each client loops until T is up: one streaming completion (a Shakespeare slice of
 ~48 tokens, `max_tokens` new ones, EOS ignored so every request generates exactly
 that many), measuring TTFT (request sent -> first token) and inter-token latency.
+The chat phase sends the same slice as one user message (the model's chat template
+adds its few tokens) and reads `chat.completion.chunk` events the same way.
 Output tokens/s = tokens generated / wall time until the last request finished.
 Prints a table; writes benchmarks/results/load-<device>.json.
 """
@@ -98,9 +101,11 @@ def run_clients(tally: Tally, clients: int, duration: float, one_request) -> flo
     return time.monotonic() - start
 
 
-def http_client(url: str, api_key: str | None, max_tokens: int, texts: list[str]):
-    """one_request for run_clients: a streaming completion over a keep-alive connection."""
+def http_client(url: str, api_key: str | None, max_tokens: int, texts: list[str], chat: bool = False):
+    """one_request for run_clients: a streaming completion (or chat completion) over a
+    keep-alive connection."""
     target = urlparse(url)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -109,9 +114,10 @@ def http_client(url: str, api_key: str | None, max_tokens: int, texts: list[str]
     def one_request(tally: Tally, rng: random.Random) -> None:
         if getattr(local, "conn", None) is None:
             local.conn = http.client.HTTPConnection(target.hostname, target.port, timeout=120)
+        text = rng.choice(texts)
         body = json.dumps(
             {
-                "prompt": rng.choice(texts),
+                **({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}),
                 "max_tokens": max_tokens,
                 "stream": True,
                 "ignore_eos": True,
@@ -120,7 +126,7 @@ def http_client(url: str, api_key: str | None, max_tokens: int, texts: list[str]
         )
         sent = time.monotonic()
         try:
-            local.conn.request("POST", "/v1/completions", body, headers)
+            local.conn.request("POST", path, body, headers)
             response = local.conn.getresponse()
         except (OSError, http.client.HTTPException):
             local.conn = None
@@ -264,34 +270,36 @@ def main() -> None:
 
     proc, url = (None, args.url) if args.url else start_server(model_dir, args.device)
     loop = start_engine(model_dir, args.device)
-    via_http = http_client(url, args.api_key, args.max_tokens, texts)
-    in_process = engine_client(loop, args.max_tokens, texts)
-    tallies, elapsed = {"http": Tally(), "engine": Tally()}, {"http": 0.0, "engine": 0.0}
-    client_cpu = 0.0
+    clients = {
+        "http": http_client(url, args.api_key, args.max_tokens, texts),
+        "chat": http_client(url, args.api_key, args.max_tokens, texts, chat=True),
+        "in_process": engine_client(loop, args.max_tokens, texts),
+    }
+    tallies = {mode: Tally() for mode in clients}
+    elapsed = dict.fromkeys(clients, 0.0)
+    client_cpu = dict.fromkeys(clients, 0.0)
     try:
-        run_clients(Tally(), 4, 2, via_http)  # warm-up
-        run_clients(Tally(), 4, 2, in_process)
+        for one_request in clients.values():  # warm-up
+            run_clients(Tally(), 4, 2, one_request)
         # The modes alternate in short rounds, so background load on a shared machine
-        # hits both alike; the server idles while the engine runs in-process.
+        # hits them alike; the server idles while the engine runs in-process.
         for _ in range(args.rounds):
-            cpu = time.process_time()
-            elapsed["http"] += run_clients(
-                tallies["http"], args.clients, args.duration / args.rounds, via_http
-            )
-            client_cpu += time.process_time() - cpu
-            elapsed["engine"] += run_clients(
-                tallies["engine"], args.clients, args.duration / args.rounds, in_process
-            )
+            for mode, one_request in clients.items():
+                cpu = time.process_time()
+                elapsed[mode] += run_clients(
+                    tallies[mode], args.clients, args.duration / args.rounds, one_request
+                )
+                client_cpu[mode] += time.process_time() - cpu
     finally:
         loop.shutdown(5)
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
 
-    http_tally, http_elapsed = tallies["http"], elapsed["http"]
-    eng_tally, eng_elapsed = tallies["engine"], elapsed["engine"]
-    http_s, eng_s = summary(http_tally, http_elapsed), summary(eng_tally, eng_elapsed)
+    modes = {mode: summary(tallies[mode], elapsed[mode]) for mode in clients}
+    http_s, chat_s, eng_s = modes["http"], modes["chat"], modes["in_process"]
     ratio = http_s["output_tokens_per_s"] / eng_s["output_tokens_per_s"]
+    chat_ratio = chat_s["output_tokens_per_s"] / http_s["output_tokens_per_s"]
     p95_over_p50 = http_s["ttft_p95_ms"] / http_s["ttft_p50_ms"] if http_s["ttft_p50_ms"] else None
     result = {
         "workload": {
@@ -309,13 +317,16 @@ def main() -> None:
             "device": args.device,
             "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         },
-        "http": {**http_s, "client_cpu_s": round(client_cpu, 2)},
+        "http": {**http_s, "client_cpu_s": round(client_cpu["http"], 2)},
+        "chat": {**chat_s, "client_cpu_s": round(client_cpu["chat"], 2)},
         "in_process": eng_s,
         "http_over_in_process_tokens_per_s": round(ratio, 3),
+        "chat_over_completions_tokens_per_s": round(chat_ratio, 3),
         "http_ttft_p95_over_p50": None if p95_over_p50 is None else round(p95_over_p50, 2),
         "targets": {
-            "zero_errors": http_s["errors"] == 0,
+            "zero_errors": http_s["errors"] == 0 and chat_s["errors"] == 0,
             "ratio_ge_0.85": ratio >= 0.85,
+            "chat_ratio_ge_0.9": chat_ratio >= 0.9,
             "ttft_p95_within_3x_p50": p95_over_p50 is not None and p95_over_p50 <= 3,
         },
     }
@@ -329,10 +340,13 @@ def main() -> None:
         ("ITL p95 ms", "itl_p95_ms"),
     ]
     print(f"\n{args.clients} streaming clients, {args.duration:.0f} s, {args.max_tokens} new tokens each")
-    print(f"{'':18}{'HTTP':>12}{'in-process':>12}")
+    print(f"{'':18}{'completions':>12}{'chat':>12}{'in-process':>12}")
     for label, key in rows:
-        print(f"{label:18}{http_s[key]!s:>12}{eng_s[key]!s:>12}")
-    print(f"HTTP / in-process output tokens/s: {ratio:.3f}; HTTP TTFT p95/p50: {p95_over_p50}")
+        print(f"{label:18}{http_s[key]!s:>12}{chat_s[key]!s:>12}{eng_s[key]!s:>12}")
+    print(
+        f"HTTP / in-process output tokens/s: {ratio:.3f}; chat / completions: {chat_ratio:.3f}; "
+        f"HTTP TTFT p95/p50: {p95_over_p50}"
+    )
     print(f"targets: {result['targets']}")
     output = args.output or RESULTS / f"load-{args.device}.json"
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ image-test: install image-tools ## build the CPU image and serve from it as prod
 image-push: install ## push the image to ACR or ECR (CLOUD=aks|eks|kubeflow)
 	deploy/push_image.sh
 
-deploy: install ## deploy to AKS or EKS and wait for the rollout (CLOUD=aks|eks, GPU=1, CANARY=1)
+deploy: install ## deploy to AKS or EKS and wait for the rollout (CLOUD=aks|eks, GPU=1, CANARY=1 or GATEWAY=1)
 	deploy/deploy.sh
 
 smoke-test: install ## curl /health and /v1/completions (URL=http://... or the cluster's LoadBalancer)

@@ -6,8 +6,9 @@
 #
 # Without URL it finds the service's external address in the cluster of CLOUD,
 # waiting up to LB_TIMEOUT seconds (default 900) for it: aks/eks the LoadBalancer
-# Service lmops; kubeflow the KServe ingress gateway (istio-system), with the
-# InferenceService's host name as Host header. LMOPS_API_KEY, when set, is sent
+# Service lmops, or with GATEWAY=1 the Gateway inference-gateway (port 80); kubeflow
+# the KServe ingress gateway (istio-system), with the InferenceService's host name
+# as Host header. LMOPS_API_KEY, when set, is sent
 # as the bearer token (through a private file, never on a command line).
 # shellcheck source=lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -27,15 +28,18 @@ if [ -n "${LMOPS_API_KEY:-}" ]; then
   curl_args+=(--header "@$WORK/auth-header")
 fi
 
-# external_address SERVICE NAMESPACE: the LoadBalancer's IP or host name, once it has one.
+LOADBALANCER_ADDRESS='{.status.loadBalancer.ingress[0].ip}{.status.loadBalancer.ingress[0].hostname}'
+GATEWAY_ADDRESS='{.status.addresses[0].value}'
+
+# external_address KIND/NAME NAMESPACE JSONPATH: a LoadBalancer Service's or a
+# Gateway's address (JSONPATH says where its status holds it), once it has one.
 external_address() {
   local address="" deadline=$((SECONDS + ${LB_TIMEOUT:-900}))
   while [ -z "$address" ]; do
-    address=$(run kubectl --namespace "$2" get service "$1" \
-      --output 'jsonpath={.status.loadBalancer.ingress[0].ip}{.status.loadBalancer.ingress[0].hostname}')
+    address=$(run kubectl --namespace "$2" get "$1" --output "jsonpath=$3")
     if dry_run; then address=LOADBALANCER; fi
     if [ -z "$address" ]; then
-      [ "$SECONDS" -lt "$deadline" ] || die "service $2/$1 got no external address in ${LB_TIMEOUT:-900} s"
+      [ "$SECONDS" -lt "$deadline" ] || die "$2/$1 got no external address in ${LB_TIMEOUT:-900} s"
       sleep 10
     fi
   done
@@ -50,9 +54,11 @@ if [ -z "$url" ]; then
     host=$(run kubectl --namespace "$namespace" get inferenceservice lmops --output 'jsonpath={.status.url}')
     if dry_run; then host=http://lmops.$namespace.example.com; fi
     curl_args+=(--header "Host: ${host#*://}")
-    url=http://$(external_address istio-ingressgateway istio-system)
+    url=http://$(external_address service/istio-ingressgateway istio-system "$LOADBALANCER_ADDRESS")
+  elif truthy "${GATEWAY:-}"; then
+    url=http://$(external_address gateway/inference-gateway "$NAMESPACE" "$GATEWAY_ADDRESS")
   else
-    url=http://$(external_address lmops "$NAMESPACE"):5001
+    url=http://$(external_address service/lmops "$NAMESPACE" "$LOADBALANCER_ADDRESS"):5001
   fi
 fi
 echo "smoke-testing $url" >&2

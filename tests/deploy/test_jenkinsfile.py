@@ -63,7 +63,7 @@ def test_credentials_only_through_bindings():
 
 
 def test_parameters_and_stages():
-    for name in ("CLOUD", "IMAGE_TAG", "RUN_PIPELINE", "DEPLOY", "CANARY", "RETRAIN", "RETRAIN_CRON"):
+    for name in ("CLOUD", "IMAGE_TAG", "RUN_PIPELINE", "DEPLOY", "CANARY", "GATEWAY", "RETRAIN", "RETRAIN_CRON"):
         assert re.search(rf"name: '{name}'", CODE), name
     assert "choices: ['aks', 'eks', 'kubeflow']" in CODE
     stages = re.findall(r"stage\('([^']+)'\)", CODE)
@@ -104,7 +104,7 @@ def test_continuous_training_retrains_on_the_timer_or_on_request_and_releases_on
     for name in ("Fetch model", "Build image", "Push image", "Deploy", "Smoke test"):
         assert "releasing()" in stage(name).split("steps")[0], name
     assert 'withEnv(["CANARY=${canary}"])' in stage("Deploy")
-    assert "def canary = params.CANARY || retraining()" in stage("Deploy")
+    assert "def canary = params.CANARY || (retraining() && !params.GATEWAY)" in stage("Deploy")
 
 
 def test_a_failing_stage_ends_the_build_before_anything_is_deployed():

@@ -129,6 +129,18 @@ DRY_RUNS = [
     (
         "deploy.sh",
         (),
+        {"CLOUD": "aks", "GATEWAY": "1"},
+        [
+            f"rendered deploy/aks/gateway with image {ACR}@{DRY_DIGEST}",
+            "kubectl --namespace lmops get gateway inference-gateway --output name",
+            "kubectl apply --filename",
+            "kubectl --namespace lmops rollout status deployment/lmops-epp --timeout=10m",
+            "kubectl --namespace lmops rollout status deployment/lmops --timeout=10m",
+        ],
+    ),
+    (
+        "deploy.sh",
+        (),
         {"CLOUD": "eks", "CANARY": "1", "GPU": "1"},
         [
             "aws ecr describe-images --region eu-west-1 --repository-name lmops --image-ids imageTag=0123abcd-cuda",
@@ -186,7 +198,7 @@ DRY_RUNS = [
         {"CLOUD": "aks"},
         [
             AKS_LOGIN,
-            "kubectl --namespace lmops get service lmops",
+            "kubectl --namespace lmops get service/lmops",
             "http://LOADBALANCER:5001/health",
             "--header @/",  # the bearer token from a file, not argv
             "/auth-header",
@@ -197,10 +209,19 @@ DRY_RUNS = [
     (
         "smoke_test.sh",
         (),
+        {"CLOUD": "eks", "GATEWAY": "1"},
+        [
+            "get gateway/inference-gateway --output jsonpath=\\{.status.addresses",
+            "http://LOADBALANCER/v1/completions",
+        ],
+    ),
+    (
+        "smoke_test.sh",
+        (),
         {"CLOUD": "kubeflow"},
         [
             "get inferenceservice lmops",
-            "get service istio-ingressgateway",
+            "get service/istio-ingressgateway",
             "Host:\\ lmops.",
             "LOADBALANCER/health",
         ],
@@ -261,6 +282,8 @@ def test_dry_run_also_from_the_environment(tmp_path, kubectl):
         ("deploy.sh", {"CLOUD": "aks", "IMAGE": "x.io/lmops:1"}, "IMAGE must name a digest"),
         ("push_image.sh", {"CLOUD": "gcp"}, "CLOUD must be aks, eks or kubeflow"),
         ("deploy.sh", {"CLOUD": "aks", "LMOPS_API_KEY": "k"}, "LMOPS_API_KEY is 1 character(s) long"),
+        ("deploy.sh", {"CLOUD": "aks", "GATEWAY": "1", "CANARY": "1"}, "GATEWAY=1 cannot be combined"),
+        ("deploy.sh", {"CLOUD": "eks", "GATEWAY": "1", "GPU": "1"}, "GATEWAY=1 cannot be combined"),
     ],
 )
 def test_missing_or_wrong_settings_stop_with_a_clear_message(script, env, message, tmp_path, kubectl):
@@ -299,6 +322,16 @@ def test_failed_rollout_is_rolled_back(tmp_path, kubectl):
     assert "rollout undo deployment/lmops" in calls[5] and "rolling back" in proc.stderr
     assert f"rendered deploy/aks with image {ACR}@sha256:{'e' * 64}" in proc.stderr  # the registry's digest
     assert SECRETS["AZURE_CLIENT_SECRET"] not in log.read_text()  # argv is visible in `ps`
+
+
+def test_gateway_deploy_stops_before_applying_when_the_cluster_has_no_gateway(tmp_path, kubectl):
+    bin_dir, log = fake_cluster(tmp_path, kubectl, '  *"get gateway inference-gateway"*) exit 1 ;;\n')
+    proc = run_script("deploy.sh", path_prefix=str(bin_dir), CLOUD="aks", GATEWAY="1")
+    assert proc.returncode == 1 and "no Gateway inference-gateway in namespace lmops" in proc.stderr, (
+        proc.stderr
+    )
+    assert "rendered deploy/aks/gateway" in proc.stderr
+    assert "kubectl apply" not in log.read_text()
 
 
 def test_scripts_pass_shellcheck():
