@@ -88,7 +88,7 @@ def test_runs_registry_and_alias_live_in_postgres_and_the_model_in_the_bucket(pr
         ("2",)
     ]
     steps = pg.query(
-        "SELECT step FROM metrics WHERE run_uuid = %s AND key = 'train_loss' ORDER BY step", run_id
+        "SELECT step FROM metrics WHERE run_uuid = %s AND key = 'loss/train' ORDER BY step", run_id
     )
     assert [s for (s,) in steps] == [5, 10, 15, 20]
     [(bpb,)] = pg.query(
@@ -195,7 +195,7 @@ def test_a_tracking_server_down_stops_training_with_a_checkpoint_and_a_stage_in_
     assert run_id == state["run_id"]
     pg = backends.postgres
     steps = pg.query(
-        "SELECT step FROM metrics WHERE run_uuid = %s AND key = 'train_loss' ORDER BY step", run_id
+        "SELECT step FROM metrics WHERE run_uuid = %s AND key = 'loss/train' ORDER BY step", run_id
     )
     assert [s for (s,) in steps] == [5, 10, 15, 20]  # no gap, nothing twice
     assert pg.query("SELECT status FROM runs WHERE run_uuid = %s", run_id) == [("FINISHED",)]

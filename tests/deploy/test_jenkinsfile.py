@@ -63,7 +63,16 @@ def test_credentials_only_through_bindings():
 
 
 def test_parameters_and_stages():
-    for name in ("CLOUD", "IMAGE_TAG", "RUN_PIPELINE", "DEPLOY", "CANARY", "GATEWAY", "RETRAIN", "RETRAIN_CRON"):
+    for name in (
+        "CLOUD",
+        "IMAGE_TAG",
+        "RUN_PIPELINE",
+        "DEPLOY",
+        "CANARY",
+        "GATEWAY",
+        "RETRAIN",
+        "RETRAIN_CRON",
+    ):
         assert re.search(rf"name: '{name}'", CODE), name
     assert "choices: ['aks', 'eks', 'kubeflow']" in CODE
     stages = re.findall(r"stage\('([^']+)'\)", CODE)

@@ -172,6 +172,10 @@ def test_mlflow_ui_links_open_on_the_runs_and_the_models(project):
         run_name = re.search(r"newest run (\S+):", printed).group(1)
         ready()
         dom = render(urls[0], REPORTS / "mlflow-ui.png")
+        run_page, query = urls[1].split("?")
+        charts = visible_text(render(f"{run_page}/model-metrics?{query}", REPORTS / "mlflow-run-charts.png"))
+    # the run's charts open on the two loss curves, before MLflow's alphabetical section
+    assert 0 <= charts.find("loss (2)") < charts.find("(loss/train)") < charts.find("Model metrics ("), charts
     text = visible_text(dom)
     assert run_name in text and "1 matching run" in text, text[:2000]
     assert 'href="#/models"' in dom and "Model registry" in text  # the sidebar's registry link
@@ -222,12 +226,13 @@ def test_registry_champion_and_pyfunc(project, monkeypatch):
         run_.data.tags["data_sha256"]
         == json.loads((project / "data/raw/manifest.json").read_text())["sha256"]
     )
-    assert {"train_loss", "val_loss", "lr", "tokens_per_sec", "mfu", "test_bits_per_byte"} <= set(
+    # the loss curves under loss/ (the UI's first section of charts), the rest by their names
+    assert {"loss/train", "loss/val", "lr", "tokens_per_sec", "mfu", "test_bits_per_byte"} <= set(
         run_.data.metrics
     )
     assert run_.data.params["model.n_layer"] == "2"
-    # evaluate logs its test numbers only: val_loss has no stray point at step 0
-    assert all(m.step > 0 for m in client.get_metric_history(run_.info.run_id, "val_loss"))
+    # evaluate logs its test numbers only: the validation curve has no stray point at step 0
+    assert all(m.step > 0 for m in client.get_metric_history(run_.info.run_id, "loss/val"))
     # the UI opens the experiment on its runs and models, not on the GenAI traces view
     experiment = client.get_experiment(run_.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"

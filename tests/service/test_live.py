@@ -187,8 +187,16 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path):
     keepalive.request(
         "POST", "/v1/completions", json.dumps({"prompt": "late"}), {"Content-Type": "application/json"}
     )
-    late = keepalive.getresponse()
-    assert late.status == 503 and json.loads(late.read())["error"]["code"] == "shutting_down"
+    # Refused either way, never served: a 503 when the worker's poller still picked the request
+    # up, or the idle connection closed when gunicorn had already left its loop (it stops
+    # reading parked connections at TERM; which comes first is a race on a busy machine,
+    # and clients treat a closed idle connection as a cue to go elsewhere).
+    try:
+        late = keepalive.getresponse()
+    except (http.client.RemoteDisconnected, ConnectionResetError):
+        late = None
+    if late is not None:
+        assert late.status == 503 and json.loads(late.read())["error"]["code"] == "shutting_down"
 
     rest = first + response.read()  # the in-flight stream runs to its end
     events = [e for e in rest.decode().split("\n\n") if e.startswith("data: ")]
@@ -196,7 +204,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path):
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
     assert server.proc.wait(90) == 0
     statuses = [r["status"] for r in server.access_records() if r["path"] == "/v1/completions"]
-    assert statuses == [503, 200]  # refused while the stream was still in flight
+    assert statuses == ([200] if late is None else [503, 200])  # refused while the stream was in flight
 
 
 def test_missing_model_stops_start_up_with_one_clear_line(tmp_path):
