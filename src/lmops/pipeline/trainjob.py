@@ -81,11 +81,12 @@ def connect(namespace: str | None):
         config.load_incluster_config()
         namespace = namespace or SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
     except config.ConfigException:
+        kubeconfig = os.environ.get("KUBECONFIG")  # now: the client reads it once, at import
         try:
-            config.load_kube_config()
+            config.load_kube_config(kubeconfig)
         except config.ConfigException as exc:
             raise LmopsError(f"no Kubernetes API: not in a pod, and no kubeconfig ({exc})") from None
-        _, context = config.list_kube_config_contexts()
+        _, context = config.list_kube_config_contexts(kubeconfig)
         namespace = namespace or context["context"].get("namespace", "default")
     return client.CustomObjectsApi(), namespace
 
