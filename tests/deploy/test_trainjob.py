@@ -66,7 +66,9 @@ class StandInApi(BaseHTTPRequestHandler):
         server.created = body
         trainer = body["spec"]["trainer"]
         env = {**os.environ, **{e["name"]: e["value"] for e in trainer["env"]}, **server.pod_env}
-        server.ran = subprocess.run(trainer["command"], env=env, capture_output=True, text=True, timeout=30)
+        server.ran = subprocess.run(  # where the runtime's pods start: the volume's root
+            trainer["command"], cwd=server.volume, env=env, capture_output=True, text=True, timeout=30
+        )
         self.reply(201, body)
 
     def do_GET(self):
@@ -136,6 +138,7 @@ def launch(api, tmp_path, monkeypatch, capsys):
 
     def run(outcome: str, *extra: str):
         api.outcome, api.calls, api.polls, api.created, api.ran = outcome, [], 0, None, None
+        api.volume = volume
         argv = ["trainjob", "--image", IMAGE, "--manifest", str(MANIFEST), "--workspace", str(volume)]
         rc = cli.main([*argv, "--poll", "0.01", *extra])
         out = capsys.readouterr()
