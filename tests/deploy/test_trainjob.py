@@ -12,14 +12,14 @@ import os
 import re
 import subprocess
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import yaml
 
 from deploy.validate import problems
 from lmops.pipeline import cli
-from tests.deploy.conftest import REPO
+from tests.deploy.conftest import REPO, JsonStandIn
 
 MANIFEST = REPO / "kubeflow" / "trainjob.yaml"
 TEMPLATE = next(d for d in yaml.safe_load_all(MANIFEST.read_text()) if d["kind"] == "TrainJob")
@@ -41,35 +41,27 @@ cp -R "$TINY_MODEL" artifacts/model
 """
 
 
-class StandInApi(BaseHTTPRequestHandler):
+class StandInApi(JsonStandIn):
     """The TrainJob endpoints of an API server whose trainer runs each job's command at once;
     `server.outcome` says what it then reports: Complete (as the command ended), Failed, a
     job that never ends (Running), or a 403 for the create."""
-
-    def reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_POST(self):
         server = self.server
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         server.calls.append(("POST", self.path))
         if self.path != TRAINJOBS:
-            return self.reply(404, {"kind": "Status", "message": "the server could not find the resource"})
+            return self.answer(404, {"kind": "Status", "message": "the server could not find the resource"})
         if server.outcome == "forbidden":
             message = 'trainjobs.trainer.kubeflow.org is forbidden: User "x" cannot create resource'
-            return self.reply(403, {"kind": "Status", "message": message})
+            return self.answer(403, {"kind": "Status", "message": message})
         server.created = body
         trainer = body["spec"]["trainer"]
         env = {**os.environ, **{e["name"]: e["value"] for e in trainer["env"]}, **server.pod_env}
         server.ran = subprocess.run(  # where the runtime's pods start: the volume's root
             trainer["command"], cwd=server.volume, env=env, capture_output=True, text=True, timeout=30
         )
-        self.reply(201, body)
+        self.answer(201, body)
 
     def do_GET(self):
         server = self.server
@@ -85,15 +77,12 @@ class StandInApi(BaseHTTPRequestHandler):
             job["status"] = {
                 "conditions": [{"type": outcome, "status": "True", "reason": reason, "message": "x"}]
             }
-        self.reply(200, job)
+        self.answer(200, job)
 
     def do_DELETE(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.server.calls.append(("DELETE", self.path))
-        self.reply(200, {"kind": "Status", "status": "Success"})
-
-    def log_message(self, *args):
-        pass
+        self.answer(200, {"kind": "Status", "status": "Success"})
 
 
 @pytest.fixture(scope="module")
