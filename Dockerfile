@@ -92,7 +92,8 @@ RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
     --mount=type=secret,id=ca.crt \
     /opt/venv/bin/pip install --no-deps .
 
-# Each Kubeflow step runs `lmops <stage>` in a fresh workspace with the image's params.yaml.
+# Each Kubeflow step runs `lmops <stage>` in a fresh workspace with the image's params.yaml;
+# the train step runs kubeflow/trainjob.yaml's TrainJob (`lmops trainjob`).
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS pipeline
 ENV PATH=/opt/venv/bin:$PATH \
@@ -106,6 +107,7 @@ COPY --from=pipeline-build /opt/python /opt/python
 COPY --from=pipeline-build /opt/venv /opt/venv
 WORKDIR /app
 COPY params.yaml dvc.yaml ./
+COPY kubeflow/trainjob.yaml kubeflow/
 USER 10001:10001
 CMD ["lmops", "--help"]
 ARG REVISION=unknown

@@ -230,7 +230,8 @@ print("image-test: the serving image holds the runtime half only")
 serve baked
 serve mounted --volume "$WORK/mounted-model:/app/production_service/model:ro"
 
-# The pipeline target (Kubeflow's steps): the whole lmops and its command, as user 10001.
+# The pipeline target (Kubeflow's steps): the whole lmops and its command, as user 10001,
+# and the train step's launcher with the TrainJob it carries (a dry run: no cluster).
 started=$SECONDS
 IMAGE_TARGET=pipeline CONTAINER_ENGINE=$engine CONTEXT=$context deploy/build_image.sh -- "${build_opts[@]}"
 pipeline_image="lmops:$(IMAGE_TARGET=pipeline image_tag)"
@@ -239,5 +240,6 @@ echo "image-test: built $pipeline_image in $((SECONDS - started)) s" >&2
 $engine run --rm --read-only --tmpfs /tmp:rw,mode=1777 "${ulimits[@]}" "$pipeline_image" sh -c '
   test "$(id -u)" = 10001 && lmops --help >/dev/null &&
   python -c "import dvc, mlflow, lmops.pipeline.train, lmops.pipeline.promote" &&
-  echo "image-test: the pipeline image runs lmops as user $(id -u)"'
+  lmops trainjob --image lmops:x --manifest /app/kubeflow/trainjob.yaml --dry-run | grep -q "^kind: TrainJob$" &&
+  echo "image-test: the pipeline image runs lmops as user $(id -u), and its TrainJob launcher"'
 echo "image-test passed: $image and $pipeline_image (built and run by $engine)" >&2

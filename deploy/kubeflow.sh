@@ -6,8 +6,11 @@
 #                                             release (below)
 #   deploy/kubeflow.sh [--dry-run] train      TrainJob lmops-train on the ClusterTrainingRuntime
 #                                             lmops-torch (replaces a finished one)
-#   deploy/kubeflow.sh [--dry-run] pipeline   compiles kubeflow/pipeline.py with the image
-#                                             and starts a run on KFP_HOST
+#   deploy/kubeflow.sh [--dry-run] pipeline   applies what its train step's TrainJob needs
+#                                             (kubeflow/trainjob.yaml but the TrainJob: the
+#                                             runtime, the volume, the step's RBAC), compiles
+#                                             kubeflow/pipeline.py with the image and starts
+#                                             a run on KFP_HOST
 #   deploy/kubeflow.sh [--dry-run] schedule   the same as a recurring run (KFP_CRON, KFP's
 #                                             six fields, default nightly 0 0 2 * * *)
 #
@@ -15,7 +18,7 @@
 # (KUBEFLOW_REGISTRY acr|ecr, ACR_NAME or AWS_ACCOUNT_ID/AWS_REGION, IMAGE_TAG): the
 # serving image for deploy, the pipeline image (IMAGE_TARGET=pipeline, tag <tag>-pipeline)
 # for train, pipeline and schedule.
-# deploy/train need KUBECONFIG for the cluster (a dry run does not); pipeline needs KFP_HOST and
+# Every action needs KUBECONFIG for the cluster (a dry run does not); pipeline needs KFP_HOST and
 # MLFLOW_TRACKING_URI (an MLflow server the cluster reaches), KFP_TOKEN if the
 # endpoint wants a bearer token. KUBEFLOW_NAMESPACE: the profile namespace
 # (default kubeflow-user-example-com). LMOPS_API_KEY as for deploy/deploy.sh.
@@ -113,6 +116,13 @@ case "$action" in
     ;;
   pipeline | schedule)
     : "${KFP_HOST:?set KFP_HOST, the Kubeflow Pipelines endpoint}"
+    # Its train step creates kubeflow/trainjob.yaml's TrainJob itself, once per run.
+    patch=$WORK/without-trainjob.yaml
+    printf '%s\n' "apiVersion: trainer.kubeflow.org/v1alpha1" "kind: TrainJob" "metadata: {name: lmops-train}" \
+      "\$patch: delete" >"$patch"
+    LMOPS_API_KEY="" render kubeflow/trainjob.yaml lmops "$image" "$namespace" "$patch"
+    use_cluster kubeflow
+    run kubectl apply --filename "$WORK/manifests.yaml"
     python kubeflow/pipeline.py compile --image "$image" --output "$WORK/pipeline.yaml" >&2
     when=()
     if [ "$action" = schedule ]; then when=(--cron "${KFP_CRON:-0 0 2 * * *}"); fi

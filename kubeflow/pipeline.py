@@ -8,7 +8,15 @@ every split), then `--merge` of their token directories into the one training re
 evaluate and promote share the MLflow tracking server given as the pipeline's
 `mlflow_tracking_uri` (promote registers the model there as @champion).
 
-    python kubeflow/pipeline.py compile [--image IMAGE] [--output FILE]
+The train step runs on Kubeflow Trainer v2: `lmops trainjob` (src/lmops/pipeline/trainjob.py)
+copies its inputs onto the ReadWriteMany volume of kubeflow/trainjob.yaml (mounted at
+/workspace), creates that file's TrainJob for the run (the image carries the file: one
+definition of nodes and resources), waits for it and brings the model and the training
+logs back. The cluster needs what `deploy/kubeflow.sh pipeline` applies first: the
+runtime, the volume, the step's RBAC. `compile --train-in-pod` trains in the step's own
+pod instead, for clusters without Trainer v2.
+
+    python kubeflow/pipeline.py compile [--image IMAGE] [--output FILE] [--train-in-pod]
     python kubeflow/pipeline.py submit --host URL --package FILE [--namespace NS]
     python kubeflow/pipeline.py schedule --host URL --package FILE [--cron "0 0 2 * * *"]
 
@@ -23,8 +31,10 @@ the same name.
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from kfp import compiler, dsl
+import yaml
+from kfp import compiler, dsl, kubernetes
 from kfp.dsl import Artifact, Dataset, Input, Markdown, Model, Output
 
 DEFAULT_IMAGE = (
@@ -32,6 +42,17 @@ DEFAULT_IMAGE = (
 )
 
 TOKENIZE_PARTS = 4  # encoders the tokenize stage fans out to
+
+# The TrainJob the train step runs, as the pipeline image carries it (the Dockerfile copies
+# it there), and the volume its pods share with the step, mounted where they mount it.
+TRAINJOB_MANIFEST = Path(__file__).with_name("trainjob.yaml")
+TRAINJOB_IN_IMAGE = "/app/kubeflow/trainjob.yaml"
+WORKSPACE_VOLUME = next(
+    d["metadata"]["name"]
+    for d in yaml.safe_load_all(TRAINJOB_MANIFEST.read_text())
+    if d["kind"] == "PersistentVolumeClaim"
+)
+WORKSPACE = "/workspace"
 
 # The artifacts of a collected list to DEST/0, DEST/1, ...: their URIs, read from KFP's JSON,
 # at the local paths the launcher mounts them on (gs:// -> /gcs/, minio:// -> /minio/, s3:// -> /s3/).
@@ -82,8 +103,10 @@ done
 )
 
 
-def build_pipeline(image: str = DEFAULT_IMAGE):
-    """The pipeline function, its steps running in `image`."""
+def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
+    """The pipeline function, its steps running in `image`; training on a TrainJob, or in
+    the train step's pod with `train_in_pod`."""
+    trainjob_options = ["--arg", "--image", "--arg", image, "--arg", "--manifest", "--arg", TRAINJOB_IN_IMAGE]
 
     def stage(*args: str) -> dsl.ContainerSpec:
         return dsl.ContainerSpec(image=image, command=["sh", "-c", RUN_STAGE, "run_stage"], args=list(args))
@@ -164,9 +187,10 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
         tokens: Input[Dataset],
         tokenizer: Input[Artifact],
         model: Output[Model],
+        plots: Output[Artifact],
     ):
         return stage(
-            "train",
+            *(["train"] if train_in_pod else ["trainjob", *trainjob_options]),
             "--mlflow",
             mlflow_tracking_uri,
             "--in",
@@ -184,6 +208,9 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
             "--out",
             "artifacts/model",
             model.path,
+            "--out",
+            "artifacts/plots",
+            plots.path,
         )
 
     @dsl.container_component
@@ -254,7 +281,10 @@ def build_pipeline(image: str = DEFAULT_IMAGE):
             tokens=tokens,
             tokenizer=tokenizer,
         )
-        trained.set_cpu_request("2").set_memory_request("8G").set_memory_limit("8G")
+        if train_in_pod:
+            trained.set_cpu_request("2").set_memory_request("8G").set_memory_limit("8G")
+        else:  # the TrainJob's pods do the work, with the resources of kubeflow/trainjob.yaml
+            kubernetes.mount_pvc(trained, pvc_name=WORKSPACE_VOLUME, mount_path=WORKSPACE)
         scored = evaluate(
             mlflow_tracking_uri=mlflow_tracking_uri,
             model=trained.outputs["model"],
@@ -280,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     comp = sub.add_parser("compile", help="compile the pipeline to a YAML package")
     comp.add_argument("--image", default=DEFAULT_IMAGE, help="the lmops image every step runs in")
     comp.add_argument("--output", default="kubeflow/pipeline.yaml")
+    comp.add_argument(
+        "--train-in-pod",
+        action="store_true",
+        help="train in the train step's pod, not on a TrainJob (clusters without Trainer v2)",
+    )
     run = sub.add_parser("submit", help="start a run of a compiled package on a KFP server")
     schedule = sub.add_parser("schedule", help="create or replace a recurring run of a compiled package")
     for command in (run, schedule):
@@ -307,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "compile":
-        compiler.Compiler().compile(build_pipeline(args.image), args.output)
-        print(f"compiled {args.output} (image {args.image})")
+        compiler.Compiler().compile(build_pipeline(args.image, args.train_in_pod), args.output)
+        where = "in its pod" if args.train_in_pod else "on a TrainJob"
+        print(f"compiled {args.output} (image {args.image}, training {where})")
         return 0
     if not args.mlflow_tracking_uri:
         parser.error(f"{args.command} needs --mlflow-tracking-uri or MLFLOW_TRACKING_URI")

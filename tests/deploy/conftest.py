@@ -3,10 +3,12 @@ the deploy/ scripts with made-up cloud settings (nothing here reaches a cloud)."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -115,3 +117,18 @@ def fake_cluster(tmp_path: Path, kubectl: str, cases: str = "") -> tuple[Path, P
     for fake in bin_dir.iterdir():
         fake.chmod(0o755)
     return bin_dir, log
+
+
+class JsonStandIn(BaseHTTPRequestHandler):
+    """The handler of a stand-in HTTP server on 127.0.0.1: JSON answers, no request log."""
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)

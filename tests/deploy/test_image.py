@@ -156,6 +156,7 @@ def test_dockerignore_keeps_data_venv_mlflow_db_and_caches_out():
         "pyproject.toml",
         "README.md",
         "params.yaml",
+        "kubeflow/trainjob.yaml",  # the pipeline image's TrainJob (lmops trainjob)
         "src/lmops/pipeline/cli.py",
         "production_service/app.py",
         "production_service/gunicorn.conf.py",

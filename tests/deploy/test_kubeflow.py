@@ -18,6 +18,12 @@ from tests.deploy.conftest import BIN, REPO
 PIPELINE = REPO / "kubeflow" / "pipeline.yaml"
 
 
+def load_pipeline(path=PIPELINE) -> tuple[dict, dict]:
+    """The compiled pipeline spec and its Kubernetes platform spec (empty without one)."""
+    spec, *platform = yaml.safe_load_all(path.read_text())
+    return spec, (platform[0]["platforms"]["kubernetes"] if platform else {})
+
+
 def compile_pipeline(output, *extra: str) -> None:
     subprocess.run(
         [str(BIN / "python"), "kubeflow/pipeline.py", "compile", "--output", str(output), *extra],
@@ -35,19 +41,66 @@ def test_committed_pipeline_yaml_is_up_to_date(tmp_path):
     )
 
 
-def test_image_option_sets_every_step_image(tmp_path):
-    compile_pipeline(tmp_path / "p.yaml", "--image", "registry.example/lmops:abc")
-    executors = yaml.safe_load((tmp_path / "p.yaml").read_text())["deploymentSpec"]["executors"]
+def test_image_option_sets_every_step_image_and_train_in_pod_needs_no_trainjob(tmp_path):
+    compile_pipeline(tmp_path / "p.yaml", "--image", "registry.example/lmops:abc", "--train-in-pod")
+    spec, platform = load_pipeline(tmp_path / "p.yaml")
+    executors = spec["deploymentSpec"]["executors"]
     assert {e["container"]["image"] for e in executors.values()} == {"registry.example/lmops:abc"}
+    train = executors["exec-train"]["container"]
+    assert train["args"][0] == "train" and train["resources"]["resourceMemoryLimit"] == "8G"
+    assert platform == {}  # no volume: nothing of Trainer v2 is needed
+
+
+def test_train_step_runs_the_trainjob_on_the_volume_its_pods_share():
+    """The committed pipeline's train step: `lmops trainjob` with the step's own image and the
+    TrainJob file the pipeline image carries, the runtime's volume mounted where its pods
+    mount it, and no resources of its own (the TrainJob's are in kubeflow/trainjob.yaml)."""
+    spec, platform = load_pipeline()
+    train = spec["deploymentSpec"]["executors"]["exec-train"]["container"]
+    assert train["args"][:9] == [
+        "trainjob",
+        "--arg",
+        "--image",
+        "--arg",
+        train["image"],
+        "--arg",
+        "--manifest",
+        "--arg",
+        "/app/kubeflow/trainjob.yaml",
+    ]
+    assert "resources" not in train
+    pvc, runtime = list(yaml.safe_load_all((REPO / "kubeflow/trainjob.yaml").read_text()))[:2]
+    pod = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    assert platform["deploymentSpec"]["executors"] == {
+        "exec-train": {
+            "pvcMount": [
+                {
+                    "constant": pvc["metadata"]["name"],
+                    "mountPath": mount["mountPath"],
+                    "pvcNameParameter": {"runtimeValue": {"constant": pvc["metadata"]["name"]}},
+                }
+            ]
+        }
+    }
+    # the launcher's default workspace is that mount; the pipeline image has the file where named
+    from lmops.pipeline.cli import build_parser
+
+    assert str(build_parser().parse_args(["trainjob", "--image", "x"]).workspace) == mount["mountPath"]
+    dockerfile = (REPO / "Dockerfile").read_text()
+    pipeline_stage = dockerfile[dockerfile.index("AS pipeline\n") : dockerfile.index("AS runtime\n")]
+    assert "WORKDIR /app\n" in pipeline_stage and "COPY kubeflow/trainjob.yaml kubeflow/\n" in pipeline_stage
 
 
 def steps() -> dict[str, dict[str, list[str]]]:
     """stage -> {"in": [paths], "out": [paths]} from the compiled executors (the steps of one stage together)."""
-    spec = yaml.safe_load(PIPELINE.read_text())
+    spec, _ = load_pipeline()
     found: dict[str, dict[str, list[str]]] = {}
     for executor in spec["deploymentSpec"]["executors"].values():
         args = executor["container"]["args"]
-        step = found.setdefault(args[0], {"in": [], "out": []})
+        stage = {"trainjob": "train"}.get(args[0], args[0])  # the train stage on a TrainJob
+        step = found.setdefault(stage, {"in": [], "out": []})
         for flag in ("in", "out"):
             step[flag] += [args[i + 1] for i, a in enumerate(args) if a == f"--{flag}"]
     return found
@@ -74,7 +127,7 @@ def test_steps_are_the_dvc_stages_with_their_inputs_and_outputs():
 
 
 def test_dag_runs_in_stage_order_and_shares_one_mlflow_server():
-    spec = yaml.safe_load(PIPELINE.read_text())
+    spec, _ = load_pipeline()
     tasks = spec["root"]["dag"]["tasks"]
     loop = next(t for t in tasks if t.startswith("for-loop"))
     assert set(tasks) == {

@@ -181,7 +181,7 @@ def test_inference_services_serve_our_image_on_5001():
 
 
 def test_trainjob_runs_the_train_stage_with_torchrun_on_a_trainer_v2_runtime():
-    pvc, runtime, job = yaml.safe_load_all((REPO / "kubeflow/trainjob.yaml").read_text())
+    pvc, runtime, job, role, binding = yaml.safe_load_all((REPO / "kubeflow/trainjob.yaml").read_text())
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     assert (runtime["kind"], job["kind"]) == ("ClusterTrainingRuntime", "TrainJob")
     assert job["spec"]["runtimeRef"] == {
@@ -211,3 +211,14 @@ def test_trainjob_runs_the_train_stage_with_torchrun_on_a_trainer_v2_runtime():
     assert any(
         v.get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"] for v in pod["volumes"]
     )
+    assert job["spec"]["activeDeadlineSeconds"] > 0  # how long the pipeline's launcher waits too
+    # the KFP step (the profile's default-editor) may create, read and delete TrainJobs
+    [rule] = role["rules"]
+    assert (rule["apiGroups"], rule["resources"]) == (["trainer.kubeflow.org"], ["trainjobs"])
+    assert {"create", "get", "delete"} <= set(rule["verbs"])
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "lmops-trainjob-launcher",
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "default-editor"}]

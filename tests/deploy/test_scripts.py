@@ -178,8 +178,13 @@ DRY_RUNS = [
         "kubeflow.sh",
         ("pipeline",),
         {},
-        [
-            f"(image {ACR}:0123abcd-pipeline)",
+        [  # what the train step's TrainJob needs, applied first; not the TrainJob itself
+            "PersistentVolumeClaim/lmops-workspace",
+            "ClusterTrainingRuntime/lmops-torch",
+            "Role/lmops-trainjob-launcher",
+            "RoleBinding/lmops-trainjob-launcher",
+            "kubectl apply --filename",
+            f"(image {ACR}:0123abcd-pipeline, training on a TrainJob)",
             "python kubeflow/pipeline.py submit --host https://kfp.invalid --package",
         ],
     ),
@@ -237,6 +242,10 @@ DRY_RUNS = [
 ]
 
 
+# What those dry runs must not print.
+DRY_RUNS_NEVER = {("kubeflow.sh", "pipeline"): ["TrainJob/lmops-train"]}
+
+
 def stand_ins(folder: Path, kubectl: str) -> str:
     """A folder of cloud tools that fail when called; kubectl and dvc only render/parse."""
     folder.mkdir(exist_ok=True)
@@ -261,6 +270,8 @@ def test_dry_run(script, args, env, expected, tmp_path, kubectl):
     assert proc.returncode == 0, output
     for text in expected:
         assert text in proc.stderr, f"missing `{text}` in:\n{proc.stderr}"
+    for text in DRY_RUNS_NEVER.get((script, *args), []):
+        assert text not in proc.stderr, f"`{text}` in:\n{proc.stderr}"
     assert "dry run" in proc.stderr
     for name, value in SECRETS.items():
         assert value not in output, f"{name} leaked into the output"

@@ -8,28 +8,17 @@ import os
 import signal
 import subprocess
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
 from production_service.server import gunicorn_argv, wait_ready
 from tests.conftest import free_port
-from tests.deploy.conftest import REPO, SECRETS, run_script, tiny_model
+from tests.deploy.conftest import REPO, SECRETS, JsonStandIn, run_script, tiny_model
 
 
-class StandIn(BaseHTTPRequestHandler):
+class StandIn(JsonStandIn):
     completion: dict = {"choices": [{"text": "return 1", "index": 0}]}
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def answer(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self):
         if self.path in ("/health", "/ready"):

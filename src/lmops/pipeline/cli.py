@@ -1,4 +1,4 @@
-"""`lmops` entry point: one subcommand per pipeline stage, plus generate, bench, serve and links.
+"""`lmops` entry point: one subcommand per pipeline stage, plus trainjob, generate, bench, serve and links.
 
 Every user-fixable problem is an `LmopsError`: printed as one line, exit code 1,
 no traceback. Stages run from the repository root (paths are relative to it).
@@ -141,6 +141,12 @@ def _serve(args: argparse.Namespace) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "production_service.server"])
 
 
+def _trainjob(args: argparse.Namespace) -> None:
+    from lmops.pipeline.trainjob import launch
+
+    launch(args.manifest, args.image, args.workspace, args.namespace, args.timeout, args.poll, args.dry_run)
+
+
 def _links(args: argparse.Namespace) -> None:
     from lmops.pipeline.ui_links import ui_links
 
@@ -164,6 +170,26 @@ def build_parser() -> argparse.ArgumentParser:
             )
             step.add_argument("--part", metavar="K/N", help="encode part K of N of every split (0-based)")
             step.add_argument("--merge", type=Path, metavar="DIR", help="join the part directories in DIR")
+    job = sub.add_parser(
+        "trainjob", help="the train stage as a Kubeflow Trainer v2 TrainJob (the KFP pipeline's train step)"
+    )
+    job.add_argument("--image", required=True, help="the pipeline image the TrainJob's pods run")
+    job.add_argument(
+        "--manifest",
+        type=Path,
+        default=Path("kubeflow/trainjob.yaml"),
+        help="the TrainJob to run, patched per run (default: %(default)s)",
+    )
+    job.add_argument(
+        "--workspace",
+        type=Path,
+        default=Path("/workspace"),
+        help="the shared volume, mounted where the runtime's pods mount it (default: %(default)s)",
+    )
+    job.add_argument("--namespace", help="default: the pod's own, else the kubeconfig context's")
+    job.add_argument("--timeout", type=int, help="seconds (default: the TrainJob's activeDeadlineSeconds)")
+    job.add_argument("--poll", type=float, default=10.0, help="seconds between status reads")
+    job.add_argument("--dry-run", action="store_true", help="print the TrainJob; touch no cluster")
     gen = sub.add_parser("generate", help="stream a completion from a model directory (the engine)")
     gen.add_argument("--prompt", required=True)
     bench = sub.add_parser("bench", help="engine throughput on a model directory (full suite: benchmarks/)")
@@ -206,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in STAGES:
             _run_stage(args.command, args)
+        elif args.command == "trainjob":
+            _trainjob(args)
         elif args.command == "generate":
             _generate(args)
         elif args.command == "bench":
