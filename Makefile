@@ -27,8 +27,13 @@ run: install ## run the whole pipeline (dvc repro): corpus -> promoted model
 	$(BIN)/python template.py
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro
 
+# Two pytest workers (pytest-xdist), each test file whole on one, so its module fixtures are
+# built once: the suite spends most of its time waiting on subprocesses (servers, training
+# runs, Prometheus windows), so a second worker shortens it on 2 cores. PYTEST_WORKERS=0
+# runs it in one process.
+PYTEST_WORKERS ?= 2
 test: install ## run the whole test suite
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest --numprocesses=$(PYTEST_WORKERS) --dist=loadfile
 
 test-fast: install ## unit tests only
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest tests/unit
