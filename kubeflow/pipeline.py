@@ -116,7 +116,9 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
         return stage("get_data", "--out", "data/raw", raw.path)
 
     @dsl.container_component
-    def split(raw: Input[Dataset], splits: Output[Dataset], report: Output[Artifact]):
+    def split(
+        raw: Input[Dataset], splits: Output[Dataset], report: Output[Artifact], data_metrics: Output[Artifact]
+    ):
         return stage(
             "split",
             "--in",
@@ -128,6 +130,9 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
             "--out",
             "artifacts/data_report.json",
             report.path,
+            "--out",
+            "artifacts/data_metrics.json",
+            data_metrics.path,
         )
 
     @dsl.container_component

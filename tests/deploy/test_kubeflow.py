@@ -124,6 +124,9 @@ def test_steps_are_the_dvc_stages_with_their_inputs_and_outputs():
         produced = paths(stage.get("outs")) + paths(stage.get("metrics")) + paths(stage.get("plots"))
         for out in found[name]["out"]:
             assert any(covered(p, [out]) for p in produced), f"{name}: {out} is not an output of the stage"
+        # what `dvc metrics show` and `dvc plots show` read is a KFP artifact too
+        for shown in paths(stage.get("metrics")) + [p for p in produced if p.startswith("artifacts/plots/")]:
+            assert covered(shown, found[name]["out"]), f"{name}: the step does not export {shown}"
 
 
 def test_dag_runs_in_stage_order_and_shares_one_mlflow_server():
