@@ -2,8 +2,7 @@
 patched: lm-evaluation-harness (`local-completions` through the API agrees per request
 with `hf` on the same model directory) and guidellm (both request formats, no errors).
 They live in their own venvs under .venv-clients/ (`make client-tools`, about half a minute
-cold with uv); skipped, saying so, where those are missing. .ci/run does not make them: their
-runs take about a minute and a half, which its 20-minute budget does not have today."""
+cold with uv, which .ci/run makes); skipped, saying so, where those are missing."""
 
 from __future__ import annotations
 

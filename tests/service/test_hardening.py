@@ -41,11 +41,12 @@ def metric(url: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_prompts_under_the_body_limit_cost_under_100ms_and_no_memory(server):
+def test_prompts_under_the_body_limit_cost_no_tokenizing_and_no_memory(server):
     """Token lists of 300,000 ids took 10-18 s of CPU and 1.2 GB each: now every body
     under the limit is rejected (or, truncated, answered) from its length alone.
     The answered one is charged only what it costs beyond the same short request
-    (the generation itself)."""
+    (the generation itself). The bound is 20x under the old cost, loose enough for a
+    busy box (it measured 0.01-0.14 s beside another test worker)."""
     truncated = {"truncate_prompt_tokens": 8, "max_tokens": 1, "temperature": 0}
     bodies = [
         {"prompt": [7] * 300_000},  # 900 KB of token ids
@@ -81,7 +82,7 @@ def test_prompts_under_the_body_limit_cost_under_100ms_and_no_memory(server):
             error = r.json()["error"]
             assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
             assert str(CONTEXT - 1) in error["message"]
-        assert spent < 0.1, f"{spent:.3f} s of server CPU for {json.dumps(body)[:60]}..."
+        assert spent < 0.5, f"{spent:.3f} s of server CPU for {json.dumps(body)[:60]}..."
     assert rss_mb(pid) - before < 50
 
 
