@@ -7,6 +7,8 @@ live /metrics in tests/service/test_endpoint_picker.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -87,6 +89,10 @@ def test_pool_route_and_picker_are_wired_together(rendered):
     (epp,) = epp_pods["spec"]["containers"]
     assert {p["name"]: p["containerPort"] for p in epp["ports"]}[ext_proc["targetPort"]] == 9002
     assert epp_service["selector"].items() <= epp_pods["metadata"]["labels"].items()
+    # The picker's release, pinned by digest: a moved tag cannot change what runs.
+    assert re.fullmatch(
+        r"ghcr\.io/llm-d/llm-d-router-endpoint-picker:v0\.10\.0@sha256:[0-9a-f]{64}", epp["image"]
+    )
     # Completions and chat go through the pool; the rest straight to the Service.
     pooled, rest = route["rules"]
     assert {m["path"]["value"] for m in pooled["matches"]} == {"/v1/completions", "/v1/chat/completions"}
