@@ -43,7 +43,7 @@ TINY_PARAMS = {
         "checkpoint_interval": 10,
         "log_interval": 5,
         "threads": 1,
-        "compile": False,  # compiling costs seconds per run; tests/integration/test_train_runs.py compiles
+        "compile": False,  # compiling costs seconds per run; tests/integration/test_train_resume.py compiles
     },
     "evaluate": {"max_batches": 4, "batch_size": 8, "max_new_tokens": 12},
 }

@@ -1,123 +1,27 @@
-"""Training as users run it: killed and resumed, keeping the best weights, stopping early,
-and under torchrun with 2 processes."""
+"""Training as users run it: under torchrun with 2 processes, keeping the best weights,
+stopping early, on a plateau schedule (killed and resumed too). The plain resume and
+checkpoint tests are in test_train_resume.py."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import signal
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from lmops.crash_points import ENV as CRASH_AT
 from tests.conftest import BIN, env, run
+from tests.integration.training import copy_project, mlflow_run, val_losses, weights
 
 pytestmark = pytest.mark.slow
 
 
-def _copy(src, dst):
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _weights(project):
-    return load_file(str(project / "artifacts/model/model.safetensors"))
-
-
-def test_sigkilled_training_resumes_to_the_same_weights(tokenized_project, tmp_path):
-    straight = _copy(tokenized_project, tmp_path / "straight")
-    run([str(BIN / "lmops"), "train"], straight)
-
-    killed = _copy(tokenized_project, tmp_path / "killed")
-    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), CRASH_AT: "train.step:15"})
-    assert crash.returncode == -signal.SIGKILL
-    state = json.loads((killed / "artifacts/checkpoints/state.json").read_text())
-    assert state["step"] == 10  # steps 11..15 were lost with the process
-    assert not (killed / "artifacts/model").exists()
-
-    resumed = run([str(BIN / "lmops"), "train"], killed)
-    assert "resuming from artifacts/checkpoints at step 10" in resumed.stderr
-
-    a, b = _weights(straight), _weights(killed)
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
-    # The resumed run continues the same MLflow run and the same log.
-    meta = json.loads((killed / "artifacts/model/lmops.json").read_text())
-    assert meta["run_id"] == state["run_id"]
-    steps = [
-        int(r.split(",")[0]) for r in (killed / "artifacts/plots/train_log.csv").read_text().splitlines()[1:]
-    ]
-    assert steps == [5, 10, 15, 20]
-
-
-def _with(project, compile: bool):
-    """With dropout, so that the masks (drawn from the RNG a checkpoint saves) are part of what resumes."""
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["model"]["dropout"] = 0.1
-    params["train"]["compile"] = compile
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    return project
-
-
-def test_compiled_training_follows_eager_and_resumes_exactly(tokenized_project, tmp_path):
-    eager = _with(_copy(tokenized_project, tmp_path / "eager"), compile=False)
-    run([str(BIN / "lmops"), "train"], eager)
-    straight = _with(_copy(tokenized_project, tmp_path / "straight"), compile=True)
-    out = run([str(BIN / "lmops"), "train"], straight)
-    assert "compiled the training step in" in out.stderr
-    # Same math, other kernels: the compiled run's losses track the eager run's.
-    for (step, a), (_, b) in zip(_val_losses(eager).items(), _val_losses(straight).items(), strict=True):
-        assert b == pytest.approx(a, rel=0.02), step
-
-    killed = _with(_copy(tokenized_project, tmp_path / "killed"), compile=True)
-    crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), CRASH_AT: "train.step:15"})
-    assert crash.returncode == -signal.SIGKILL
-    assert (
-        "resuming from artifacts/checkpoints at step 10" in run([str(BIN / "lmops"), "train"], killed).stderr
-    )
-    a, b = _weights(straight), _weights(killed)
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
-    run_id = json.loads((straight / "artifacts/model/lmops.json").read_text())["run_id"]
-    assert _mlflow_run(straight, run_id).data.params["compiled"] == "True"
-
-
-def test_training_without_a_compiler_falls_back_to_eager(tokenized_project, tmp_path):
-    project = _with(_copy(tokenized_project, tmp_path / "p"), compile=True)
-    out = run([str(BIN / "lmops"), "train"], project, env={**env(), "CXX": "/nonexistent/g++"})
-    assert "torch.compile unavailable, training eagerly" in out.stderr and "Traceback" not in out.stderr
-    run_id = json.loads((project / "artifacts/model/lmops.json").read_text())["run_id"]
-    assert _mlflow_run(project, run_id).data.params["compiled"] == "False"
-
-
-def test_changed_params_ignore_an_old_checkpoint(tokenized_project, tmp_path):
-    project = _copy(tokenized_project, tmp_path / "p")
-    run([str(BIN / "lmops"), "train"], project, env={**env(), CRASH_AT: "train.step:12"}, check=False)
-    text = (project / "params.yaml").read_text().replace("max_steps: 20", "max_steps: 12")
-    (project / "params.yaml").write_text(text)
-    out = run([str(BIN / "lmops"), "train"], project)
-    assert "ignoring checkpoint" in out.stderr and "resuming" not in out.stderr
-
-
-def test_corrupt_checkpoint_stops_with_a_clear_error(tokenized_project, tmp_path):
-    project = _copy(tokenized_project, tmp_path / "p")
-    run([str(BIN / "lmops"), "train"], project, env={**env(), CRASH_AT: "train.step:10"}, check=False)
-    weights = project / "artifacts/checkpoints/optimizer.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
-    out = run([str(BIN / "lmops"), "train"], project, check=False)
-    assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert "optimizer.safetensors is corrupt or truncated" in out.stderr
-    assert not (project / "artifacts/model").exists()
-
-
 def test_ddp_with_two_processes_on_cpu(tokenized_project, tmp_path):
-    project = _copy(tokenized_project, tmp_path / "ddp")
+    project = copy_project(tokenized_project, tmp_path / "ddp")
     run(
         [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "lmops.pipeline.cli", "train"],
         project,
@@ -154,7 +58,7 @@ def _overfitting_project(tokenized_project, dst, train_overrides):
     Both splits use the same 16 tokens, so learning their frequencies helps on both; the
     next-token rule differs (two permutations), so learning train's rule hurts on val.
     """
-    project = _copy(tokenized_project, dst)
+    project = copy_project(tokenized_project, dst)
     rng = np.random.default_rng(0)
     symbols = np.arange(100, 116)
     for split, seed in (("train", 1), ("val", 2)):
@@ -179,21 +83,10 @@ def _overfitting_project(tokenized_project, dst, train_overrides):
     return project
 
 
-def _val_losses(project):
-    rows = [r.split(",") for r in (project / "artifacts/plots/val_log.csv").read_text().splitlines()[1:]]
-    return {int(r[0]): float(r[2]) for r in rows}
-
-
-def _mlflow_run(project, run_id):
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=f"sqlite:///{project}/mlflow.db").get_run(run_id)
-
-
 def test_keep_best_exports_the_lowest_validation_loss_and_survives_sigkill(tokenized_project, tmp_path):
     straight = _overfitting_project(tokenized_project, tmp_path / "straight", {})
     run([str(BIN / "lmops"), "train"], straight)
-    val = _val_losses(straight)
+    val = val_losses(straight)
     best_step = min(val, key=val.get)
     assert best_step < 20 and val[30] > val[best_step] + 0.1, val  # validation rose again at the end
 
@@ -201,7 +94,7 @@ def test_keep_best_exports_the_lowest_validation_loss_and_survives_sigkill(token
     assert meta["metrics"]["best_step"] == meta["metrics"]["exported_step"] == best_step
     assert meta["metrics"]["val_loss"] == pytest.approx(val[best_step], rel=1e-5)
     assert meta["metrics"]["steps"] == 30 and meta["stop_reason"] == "reached max_steps (30)"
-    assert _mlflow_run(straight, meta["run_id"]).data.metrics["best_step"] == best_step
+    assert mlflow_run(straight, meta["run_id"]).data.metrics["best_step"] == best_step
     # The exported weights are the best ones: they score the best validation loss again.
     from lmops.pipeline.params import load_params
     from lmops.pipeline.tokenize_stage import read_tokens
@@ -223,7 +116,7 @@ def test_keep_best_exports_the_lowest_validation_loss_and_survives_sigkill(token
         "resuming from artifacts/checkpoints at step 20" in run([str(BIN / "lmops"), "train"], killed).stderr
     )
     assert json.loads((killed / "artifacts/model/lmops.json").read_text())["metrics"] == meta["metrics"]
-    a, b = _weights(straight), _weights(killed)
+    a, b = weights(straight), weights(killed)
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
 
@@ -231,7 +124,7 @@ def test_keep_best_exports_the_lowest_validation_loss_and_survives_sigkill(token
 def test_early_stopping_stops_and_says_why(tokenized_project, tmp_path):
     project = _overfitting_project(tokenized_project, tmp_path / "p", {"early_stopping_patience": 3})
     out = run([str(BIN / "lmops"), "train"], project)
-    val = _val_losses(project)
+    val = val_losses(project)
     best_step, last_step = min(val, key=val.get), max(val)
     assert last_step == best_step + 3 * 2 < 30  # three evaluations (every 2 steps) without improvement
     reason = f"early stopping at step {last_step}: validation loss did not improve for 3 evaluations"
@@ -239,11 +132,11 @@ def test_early_stopping_stops_and_says_why(tokenized_project, tmp_path):
     meta = json.loads((project / "artifacts/model/lmops.json").read_text())
     assert meta["stop_reason"].startswith(reason) and meta["metrics"]["steps"] == last_step
     assert meta["metrics"]["best_step"] == best_step
-    assert _mlflow_run(project, meta["run_id"]).data.tags["stop_reason"] == meta["stop_reason"]
+    assert mlflow_run(project, meta["run_id"]).data.tags["stop_reason"] == meta["stop_reason"]
     # Run again: the finished (stopped) checkpoint is not trained further.
     again = run([str(BIN / "lmops"), "train"], project)
     assert f"resuming from artifacts/checkpoints at step {last_step}" in again.stderr
-    assert max(_val_losses(project)) == last_step
+    assert max(val_losses(project)) == last_step
 
 
 def _history(project, keys=("step", "tokens", "train_loss", "val_loss", "lr")):
@@ -256,7 +149,7 @@ def test_a_longer_plateau_run_is_the_shorter_one_continued(tokenized_project, tm
     """Under lr_schedule: plateau nothing depends on max_steps, so a run twice as long passes
     through every state of the shorter one and, keeping the best, cannot export a worse model."""
     # Eager: four compiles would cost about 50 s; compiled steps are shown bitwise reproducible
-    # in tests/unit/test_train.py and resuming exactly in the test above.
+    # in tests/unit/test_train.py and resuming exactly in test_train_resume.py.
     plateau = {"lr_schedule": "plateau", "lr_plateau_patience": 1, "compile": False}
     short = _overfitting_project(tokenized_project, tmp_path / "short", {**plateau, "max_steps": 14})
     out = run([str(BIN / "lmops"), "train"], short)
@@ -282,6 +175,6 @@ def test_a_longer_plateau_run_is_the_shorter_one_continued(tokenized_project, tm
         "resuming from artifacts/checkpoints at step 20" in run([str(BIN / "lmops"), "train"], killed).stderr
     )
     assert _history(killed) == longer_rows
-    a, b = _weights(longer), _weights(killed)
+    a, b = weights(longer), weights(killed)
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
