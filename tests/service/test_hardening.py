@@ -83,7 +83,10 @@ def test_prompts_under_the_body_limit_cost_no_tokenizing_and_no_memory(server):
             assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
             assert str(CONTEXT - 1) in error["message"]
         assert spent < 0.5, f"{spent:.3f} s of server CPU for {json.dumps(body)[:60]}..."
-    assert rss_mb(pid) - before < 50
+    # The bug cost 1.2 GB per body. Idle, 20 bodies grow RSS by ~10 MB; beside another test
+    # worker 57 MB was seen (glibc's per-thread malloc arenas as other request threads
+    # take the bodies): the bound sits between the two stories.
+    assert rss_mb(pid) - before < 150
 
 
 @pytest.fixture
