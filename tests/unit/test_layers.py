@@ -92,3 +92,81 @@ def test_the_service_settings_load_no_torch():
     """gunicorn's master reads them (gunicorn.conf.py): torch stays in the worker."""
     loaded = loaded_by("production_service.settings")
     assert "production_service.settings" in loaded and "torch" not in loaded
+
+
+def module_name(path) -> str:
+    rel = path.relative_to(REPO / "src" if path.is_relative_to(REPO / "src") else REPO).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def internal_imports(path, modules: set[str]) -> set[str]:
+    """The project modules a file imports, lazily (inside functions) too; an import under
+    `if TYPE_CHECKING:` is left out: it never runs."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    skipped = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    return found & modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = sorted(p for d in (REPO / "src" / "lmops", REPO / "production_service") for p in d.rglob("*.py"))
+    modules = {module_name(p) for p in files}
+    return {module_name(p): internal_imports(p, modules) - {module_name(p)} for p in files}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph[node]):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_lazy_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_lazy_imports_included():
+    """One direction between any two modules: a function-level import that closes a loop is
+    still a cycle (only a `TYPE_CHECKING` import, which never runs, is not)."""
+    graph = import_graph()
+    assert graph["lmops.runtime.engine.engine"] and "lmops.runtime.model_dir" in graph  # it read them
+    assert cycles(graph) == []

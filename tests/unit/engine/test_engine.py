@@ -145,9 +145,10 @@ def test_prometheus_metrics(model_dir, prompts):
     assert [o.metrics.num_cached_tokens for o in outs] == [0, 64, 64, 64]
     text = generate_latest(engine.metrics.registry).decode()
     assert "lmops:kv_cache_usage_perc" in text
-    # Gauges move while work is in flight.
-    engine.add_request(None, prompts[3], SamplingParams(max_tokens=3))
-    engine.add_request(None, prompts[4], SamplingParams(max_tokens=3))
+    # Gauges move while work is in flight (ignore_eos: a sampled first EOS would finish one).
+    in_flight = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request(None, prompts[3], in_flight)
+    engine.add_request(None, prompts[4], in_flight)
     engine.step()
     assert value("lmops:num_requests_running") == 2 and value("lmops:kv_cache_usage_perc") > 0
 
