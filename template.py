@@ -9,14 +9,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from lmops.pipeline.params import PromoteConfig
+from lmops.pipeline.paths import WORK_DIRECTORIES
+
 DIRECTORIES = (
-    "data/raw",
-    "data/processed",
-    "artifacts/tokenizer",
-    "artifacts/checkpoints",
-    "artifacts/plots",
-    "production_service/model",
-    "benchmarks/results",
+    *WORK_DIRECTORIES,
+    Path(PromoteConfig().export_dir),  # the model the service loads, which promote exports
+    Path("benchmarks/results"),  # what benchmarks/*.py write
 )
 
 

@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from lmops.runtime.model_config import LlamaShape
+
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 NANOGPT = {
@@ -49,16 +51,8 @@ def params(max_steps: int, threads: int = 0) -> dict:
     base["data"].update(source=str(CORPUS), max_bytes=None, sha256=None)
     base["split"].update(method="tail", val_fraction=0.05, test_fraction=0.05)
     base["tokenizer"].update(vocab_size=1024)
-    base["model"].update(
-        n_layer=4,
-        n_head=6,
-        n_kv_heads=2,
-        n_embd=192,
-        intermediate_size=512,
-        max_seq_len=256,
-        dropout=0.2,
-        attention_dropout=0.0,
-    )
+    # The default shape, with residual dropout only (benchmarks/README.md, "Model quality").
+    base["model"] = LlamaShape(dropout=0.2, attention_dropout=0.0).model_dump()
     base["train"].update(
         max_steps=max_steps,
         threads=threads,

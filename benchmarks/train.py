@@ -33,7 +33,8 @@ from engine import RESULTS, write_results
 
 from lmops.pipeline.params import Params
 from lmops.pipeline.train import autocast, batch, make_optimizer, measure_peak_flops, resolve_precision
-from lmops.runtime.model import Llama, LlamaConfig
+from lmops.runtime.model import Llama
+from lmops.runtime.model_config import LlamaConfig
 
 VOCAB = 4096
 BASELINE = "transformers float32"
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     params = Params()
-    block, size = params.model.max_seq_len, params.train.batch_size
+    max_seq_len, size = params.model.max_seq_len, params.train.batch_size
     load_before = os.getloadavg()
 
     torch.manual_seed(0)
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     batches = iter(range(10**9))
 
     def next_batch():
-        return batch(tokens, block, size, (0, next(batches)), "cpu")
+        return batch(tokens, max_seq_len, size, (0, next(batches)), "cpu")
 
     for trainer in trainers.values():  # first step: compiles (where compiled), then two warm-up steps
         trainer.compile_seconds = trainer.step(*next_batch())
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {}
     for name, trainer in trainers.items():
         step = statistics.median(trainer.step_seconds)
-        tokens_per_sec = size * block / step
+        tokens_per_sec = size * max_seq_len / step
         rows[name] = {
             "step_ms": round(step * 1000, 1),
             "tokens_per_sec": round(tokens_per_sec),
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "train",
         "model": {"vocab_size": VOCAB, **params.model.model_dump()},
-        "batch": [size, block],
+        "batch": [size, max_seq_len],
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),

@@ -217,7 +217,7 @@ else:
     raise SystemExit("resolved a model without a registry")
 ' 2>&1 | grep -v systemd >&2
 
-# The serving image carries the runtime half of lmops only (DESIGN.md: two halves).
+# The serving image carries the runtime half of lmops only (docs/architecture.md: two halves).
 $engine run --rm --read-only "${ulimits[@]}" "$image" python -c '
 import importlib.util, shutil
 assert importlib.util.find_spec("lmops.runtime.engine"), "no runtime in the serving image"

@@ -36,12 +36,33 @@ from pathlib import Path
 import yaml
 from kfp import compiler, dsl, kubernetes
 from kfp.dsl import Artifact, Dataset, Input, Markdown, Model, Output
+from kfp.dsl.placeholders import InputListOfArtifactsPlaceholder
+
+from lmops.pipeline import paths
 
 DEFAULT_IMAGE = (
     "lmops:dev-pipeline"  # the Dockerfile's pipeline target (deploy/kubeflow.sh passes the pushed one)
 )
 
 TOKENIZE_PARTS = 4  # encoders the tokenize stage fans out to
+
+# Where each KFP artifact lies in a step's workspace, by the name every step gives it: a
+# directory artifact carries all of dvc.yaml's deps and outs under it (a test checks that
+# the steps of each stage stage in and export just that stage's deps and outs).
+ARTIFACT_PATHS = {
+    "raw": paths.RAW_DIR,
+    "splits": paths.PROCESSED_DIR,
+    "report": paths.DATA_REPORT_FILE,
+    "data_metrics": paths.DATA_METRICS_FILE,
+    "tokenizer": paths.TOKENIZER_DIR,
+    "parts": paths.PROCESSED_DIR / "token-parts",  # the encoders' outputs, for the merge step only
+    "tokens": paths.TOKENS_DIR,
+    "model": paths.MODEL_DIR,
+    "plots": paths.PLOTS_DIR,
+    "metrics": paths.METRICS_FILE,
+    "samples": paths.SAMPLES_FILE,
+    "promotion": paths.PROMOTION_FILE,
+}
 
 # The TrainJob the train step runs, as the pipeline image carries it (the Dockerfile copies
 # it there), and the volume its pods share with the step, mounted where they mount it.
@@ -106,83 +127,47 @@ done
 def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
     """The pipeline function, its steps running in `image`; training on a TrainJob, or in
     the train step's pod with `train_in_pod`."""
-    trainjob_options = ["--arg", "--image", "--arg", image, "--arg", "--manifest", "--arg", TRAINJOB_IN_IMAGE]
+    train_command = (
+        ["train"] if train_in_pod else ["trainjob", "--image", image, "--manifest", TRAINJOB_IN_IMAGE]
+    )
 
-    def stage(*args: str) -> dsl.ContainerSpec:
-        return dsl.ContainerSpec(image=image, command=["sh", "-c", RUN_STAGE, "run_stage"], args=list(args))
+    def stage(command: list, ins: list = (), outs: list = (), mlflow=None) -> dsl.ContainerSpec:
+        """RUN_STAGE's arguments for `lmops *command`: the artifacts of `ins` (their `.path`, or
+        a collected list) staged in and those of `outs` exported, each at its ARTIFACT_PATHS path
+        (the components' signatures name the artifacts, so the paths are written once)."""
+        name, *options = command
+        args = [name, *(a for option in options for a in ("--arg", option))]
+        if mlflow is not None:
+            args += ["--mlflow", mlflow]
+        for artifact in ins:
+            flag = "--in-list" if isinstance(artifact, InputListOfArtifactsPlaceholder) else "--in"
+            args += [flag, str(ARTIFACT_PATHS[artifact.input_name]), artifact]
+        for artifact in outs:
+            args += ["--out", str(ARTIFACT_PATHS[artifact.output_name]), artifact]
+        return dsl.ContainerSpec(image=image, command=["sh", "-c", RUN_STAGE, "run_stage"], args=args)
 
     @dsl.container_component
     def get_data(raw: Output[Dataset]):
-        return stage("get_data", "--out", "data/raw", raw.path)
+        return stage(["get_data"], outs=[raw.path])
 
     @dsl.container_component
     def split(
         raw: Input[Dataset], splits: Output[Dataset], report: Output[Artifact], data_metrics: Output[Artifact]
     ):
-        return stage(
-            "split",
-            "--in",
-            "data/raw",
-            raw.path,
-            "--out",
-            "data/processed",
-            splits.path,
-            "--out",
-            "artifacts/data_report.json",
-            report.path,
-            "--out",
-            "artifacts/data_metrics.json",
-            data_metrics.path,
-        )
+        return stage(["split"], ins=[raw.path], outs=[splits.path, report.path, data_metrics.path])
 
     @dsl.container_component
     def train_tokenizer(splits: Input[Dataset], tokenizer: Output[Artifact]):
-        return stage(
-            "tokenize",
-            "--arg",
-            "--tokenizer-only",
-            "--in",
-            "data/processed",
-            splits.path,
-            "--out",
-            "artifacts/tokenizer",
-            tokenizer.path,
-        )
+        return stage(["tokenize", "--tokenizer-only"], ins=[splits.path], outs=[tokenizer.path])
 
     @dsl.container_component
     def encode_part(part: int, splits: Input[Dataset], tokenizer: Input[Artifact], tokens: Output[Dataset]):
-        return stage(
-            "tokenize",
-            "--arg",
-            "--part",
-            "--arg",
-            dsl.ConcatPlaceholder([part, f"/{TOKENIZE_PARTS}"]),
-            "--in",
-            "data/processed",
-            splits.path,
-            "--in",
-            "artifacts/tokenizer",
-            tokenizer.path,
-            "--out",
-            "data/processed/tokens",
-            tokens.path,
-        )
+        part_of = dsl.ConcatPlaceholder([part, f"/{TOKENIZE_PARTS}"])
+        return stage(["tokenize", "--part", part_of], ins=[splits.path, tokenizer.path], outs=[tokens.path])
 
     @dsl.container_component
     def merge_tokens(parts: Input[list[Dataset]], tokens: Output[Dataset]):
-        return stage(
-            "tokenize",
-            "--arg",
-            "--merge",
-            "--arg",
-            "data/processed/token-parts",
-            "--in-list",
-            "data/processed/token-parts",
-            parts,
-            "--out",
-            "data/processed/tokens",
-            tokens.path,
-        )
+        return stage(["tokenize", "--merge", str(ARTIFACT_PATHS["parts"])], ins=[parts], outs=[tokens.path])
 
     @dsl.container_component
     def train(
@@ -195,53 +180,25 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
         plots: Output[Artifact],
     ):
         return stage(
-            *(["train"] if train_in_pod else ["trainjob", *trainjob_options]),
-            "--mlflow",
-            mlflow_tracking_uri,
-            "--in",
-            "data/raw",
-            raw.path,
-            "--in",
-            "artifacts/data_report.json",
-            report.path,
-            "--in",
-            "data/processed/tokens",
-            tokens.path,
-            "--in",
-            "artifacts/tokenizer",
-            tokenizer.path,
-            "--out",
-            "artifacts/model",
-            model.path,
-            "--out",
-            "artifacts/plots",
-            plots.path,
+            train_command,
+            ins=[raw.path, report.path, tokens.path, tokenizer.path],
+            outs=[model.path, plots.path],
+            mlflow=mlflow_tracking_uri,
         )
 
     @dsl.container_component
     def evaluate(
-        mlflow_tracking_uri: str,
         model: Input[Model],
         splits: Input[Dataset],
+        mlflow_tracking_uri: str,
         metrics: Output[Artifact],
         samples: Output[Markdown],
     ):
         return stage(
-            "evaluate",
-            "--mlflow",
-            mlflow_tracking_uri,
-            "--in",
-            "artifacts/model",
-            model.path,
-            "--in",
-            "data/processed",
-            splits.path,
-            "--out",
-            "artifacts/metrics.json",
-            metrics.path,
-            "--out",
-            "artifacts/samples.md",
-            samples.path,
+            ["evaluate"],
+            ins=[model.path, splits.path],
+            outs=[metrics.path, samples.path],
+            mlflow=mlflow_tracking_uri,
         )
 
     @dsl.container_component
@@ -253,21 +210,10 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
         promotion: Output[Artifact],
     ):
         return stage(
-            "promote",
-            "--mlflow",
-            mlflow_tracking_uri,
-            "--in",
-            "artifacts/model",
-            model.path,
-            "--in",
-            "artifacts/metrics.json",
-            metrics.path,
-            "--in",
-            "data/processed",
-            splits.path,
-            "--out",
-            "artifacts/promotion.json",
-            promotion.path,
+            ["promote"],
+            ins=[model.path, metrics.path, splits.path],
+            outs=[promotion.path],
+            mlflow=mlflow_tracking_uri,
         )
 
     @dsl.pipeline(name="lmops", description="corpus -> tokenizer -> model -> metrics -> MLflow @champion")

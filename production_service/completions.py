@@ -4,6 +4,7 @@ objects, one JSON body or server-sent events: the waiting, streaming and usage s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import time
@@ -35,24 +36,11 @@ from production_service.schemas import (
 
 # How often a non-streaming request looks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
-_SAMPLING_FIELDS = (
-    "max_tokens",
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "stop",
-    "stop_token_ids",
-    "seed",
-    "ignore_eos",
-    "min_tokens",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-)
+# The SamplingParams fields a request sets under their own names; the request models
+# spell the others their own way: logprobs and prompt_logprobs (`sampling_fields()`: chat's
+# boolean logprobs, echo's prompt log-probs), logit_bias with string keys.
+_SPELLED_OWN_WAY = {"logprobs", "prompt_logprobs", "logit_bias"}
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in _SPELLED_OWN_WAY)
 
 
 @dataclass
@@ -128,18 +116,18 @@ def encode_prompts(runtime, body) -> list[tuple[str, list[int]]]:
     return out
 
 
-def sampling_params(body, generation: dict) -> SamplingParams:
-    """What the request sets, on top of the model's generation config (`generation`: its
-    generation_config.json and LMOPS_GENERATION_CONFIG). The engine caps max_tokens at the
-    room the context leaves after the prompt."""
+def sampling_params(body, defaults: SamplingParams) -> SamplingParams:
+    """What the request sets, on top of the model's sampling defaults (its
+    generation_config.json and LMOPS_GENERATION_CONFIG, merged once at load). The engine
+    caps max_tokens at the room the context leaves after the prompt."""
     kwargs = {k: getattr(body, k) for k in _SAMPLING_FIELDS if getattr(body, k, None) is not None}
     kwargs.update((k, v) for k, v in body.sampling_fields().items() if v is not None)
     if getattr(body, "logit_bias", None):
         kwargs["logit_bias"] = {int(t): b for t, b in body.logit_bias.items()}
     try:
-        return SamplingParams.from_generation_config(generation, **kwargs)
+        return dataclasses.replace(defaults, **kwargs)
     except ValueError as exc:
-        param = next((f for f in _SAMPLING_FIELDS if str(exc).startswith(f)), None)
+        param = next((f for f in _SAMPLING_FIELDS if str(exc).startswith(f"{f} ")), None)
         raise APIError(400, str(exc), code="invalid_value", param=param) from None
 
 
@@ -151,7 +139,7 @@ def queue_full() -> APIError:
 
 def submit(runtime, body, stats: RequestStats, prompts: list[tuple[str, list[int]]]) -> list[Job]:
     """Submit every (text, token ids) prompt, or none: a failure cancels what was already submitted."""
-    params = sampling_params(body, runtime.generation_config)
+    params = sampling_params(body, runtime.sampling_defaults)
     jobs: list[Job] = []
     try:
         for text, ids in prompts:

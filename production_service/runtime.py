@@ -7,18 +7,17 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from lmops.runtime.chat_template import compile_template
-from lmops.runtime.model_dir import (
-    read_chat_template,
-    read_generation_config,
-    sampling_defaults,
-    special_tokens,
-)
+from lmops.runtime.model_dir import read_chat_template, special_tokens
 from production_service import faults
 from production_service.model_source import ModelInfo, resolve_model
 from production_service.schemas import Limits
 from production_service.settings import ServiceConfig
+
+if TYPE_CHECKING:
+    from lmops.runtime.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ class Runtime:
         self.model: ModelInfo | None = None
         self.limits: Limits | None = None
         # Request defaults: the model's generation_config.json, LMOPS_GENERATION_CONFIG on top.
-        self.generation_config: dict = {}
+        self.sampling_defaults: SamplingParams | None = None
         # /v1/chat/completions: the model's chat template (or LMOPS_CHAT_TEMPLATE's file), None if neither.
         self.chat_template: str | None = None
         self.special_tokens: dict[str, str] = {}
@@ -67,8 +66,8 @@ class Runtime:
 
         try:
             model = resolve_model(self.config.model_dir, self.config.model_uri, self.config.model_cache)
-            generation = {**read_generation_config(model.path), **self.config.generation_config}
-            sampling_defaults(model.path, self.config.generation_config)  # fails the load when invalid
+            # built once, so an invalid file or LMOPS_GENERATION_CONFIG fails the load
+            sampling_defaults = SamplingParams.from_model_dir(model.path, self.config.generation_config)
             path = self.config.chat_template
             chat_template = path.read_text(encoding="utf-8") if path else read_chat_template(model.path)
             if chat_template is not None:
@@ -91,7 +90,7 @@ class Runtime:
                 return
             loop.start()
             self.engine, self.loop, self.model = engine, loop, model
-            self.generation_config = generation
+            self.sampling_defaults = sampling_defaults
             self.chat_template, self.special_tokens = chat_template, special_tokens(model.path)
             self.limits = Limits(
                 max_model_len=engine.max_model_len,

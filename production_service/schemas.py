@@ -113,7 +113,7 @@ class Message(_Request):
 @functools.lru_cache(maxsize=4)
 def request_models(limits: Limits) -> RequestModels:
     """Every endpoint's request model for a model's limits."""
-    ctx, vocab = limits.max_model_len, limits.vocab_size
+    max_model_len, vocab = limits.max_model_len, limits.vocab_size
     text = Annotated[str, Field(min_length=1)]
     token_id = _integer(0, vocab - 1)
     token_ids = Annotated[list[token_id], Field(min_length=1, max_length=limits.max_prompt_tokens)]
@@ -121,7 +121,9 @@ def request_models(limits: Limits) -> RequestModels:
 
     class Sampling(_Request):
         max_tokens: _sampling(
-            "max_tokens", "Capped at the room the context leaves after the prompt." + MODEL_DEFAULT, ctx
+            "max_tokens",
+            "Capped at the room the context leaves after the prompt." + MODEL_DEFAULT,
+            max_model_len,
         ) = None
         temperature: _sampling("temperature", "0 = greedy." + MODEL_DEFAULT) = None
         top_p: _sampling("top_p", "Nucleus sampling mass." + MODEL_DEFAULT) = None
@@ -152,7 +154,7 @@ def request_models(limits: Limits) -> RequestModels:
         stream_options: StreamOptions | None = None
         user: str | None = Field(None, description="Accepted and ignored.")
         min_tokens: _sampling(
-            "min_tokens", "No EOS, stop token or stop string before this many (vLLM extra).", ctx
+            "min_tokens", "No EOS, stop token or stop string before this many (vLLM extra).", max_model_len
         ) = None
         include_stop_str_in_output: bool | None = Field(
             None, description="Keep the stop string (vLLM extra)."
@@ -200,7 +202,9 @@ def request_models(limits: Limits) -> RequestModels:
 
     class ChatCompletionRequest(Generation):
         messages: Annotated[list[Message], Field(min_length=1)]
-        max_completion_tokens: _sampling("max_tokens", "OpenAI's newer name for max_tokens.", ctx) = None
+        max_completion_tokens: _sampling(
+            "max_tokens", "OpenAI's newer name for max_tokens.", max_model_len
+        ) = None
         logprobs: bool | None = Field(None, description="Log-probs of the generated tokens.")
         top_logprobs: _sampling("logprobs", "Alternatives per token, with logprobs.") = None
         add_generation_prompt: bool = Field(True, description="End with the assistant's turn (vLLM extra).")
@@ -234,7 +238,7 @@ def request_models(limits: Limits) -> RequestModels:
 
     class DetokenizeRequest(_Request):
         model: str | None = None
-        tokens: Annotated[list[token_id], Field(max_length=ctx)]
+        tokens: Annotated[list[token_id], Field(max_length=max_model_len)]
 
     return RequestModels(
         CompletionRequest, PredictRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest
@@ -309,15 +313,23 @@ class Usage(BaseModel):
     total_tokens: Annotated[int, Field(ge=0)]
 
 
-class CompletionChunk(BaseModel):
-    """One streamed event's data (`usage` only in the last, with stream_options.include_usage)."""
+class _Answer(BaseModel):
+    """What a completion body and a streamed chunk of either API carry, in OpenAI's order;
+    each narrows `object` and `choices` (and a whole answer's `usage`)."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
-    choices: list[Choice]
+    choices: list
     usage: Usage | None = None
+
+
+class CompletionChunk(_Answer):
+    """One streamed event's data (`usage` only in the last, with stream_options.include_usage)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[Choice]
 
 
 class Completion(CompletionChunk):
@@ -362,23 +374,16 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishReason | None = Field(description="null until a choice's last chunk")
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Answer):
     """One streamed event's data: the first per choice carries the role, the last its
     finish_reason; `usage` as in CompletionChunk."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(_Answer):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 

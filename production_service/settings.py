@@ -20,7 +20,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from lmops.errors import LmopsError
 from lmops.runtime.engine.config import EngineConfig
-from lmops.runtime.model_dir import GENERATION_KEYS
+from lmops.runtime.generation_config import SAMPLING_KEYS
 from production_service.model_source import default_model_cache
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model"
@@ -93,11 +93,10 @@ class ServiceConfig(BaseSettings):
     @field_validator("generation_config")
     @classmethod
     def _generation_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(value) - {"do_sample", *GENERATION_KEYS})
+        unknown = sorted(set(value) - set(SAMPLING_KEYS))
         if unknown:
             raise ValueError(
-                f"unknown key {unknown[0]!r}; the sampling defaults it may set are "
-                f"{sorted({'do_sample', *GENERATION_KEYS})}"
+                f"unknown key {unknown[0]!r}; the sampling defaults it may set are {sorted(SAMPLING_KEYS)}"
             )
         return value
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lmops.runtime.model_config import TINY_SHAPE, LlamaConfig
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -26,14 +28,7 @@ TINY_PARAMS = {
     "data": {"source": "python-stdlib", "max_bytes": 400_000},
     "split": {"val_fraction": 0.1, "test_fraction": 0.1},
     "tokenizer": {"vocab_size": 400},
-    "model": {
-        "n_layer": 2,
-        "n_head": 4,
-        "n_kv_heads": 2,
-        "n_embd": 64,
-        "intermediate_size": 128,
-        "max_seq_len": 64,
-    },
+    "model": {**TINY_SHAPE, "max_seq_len": 64},
     "train": {
         "max_steps": 20,
         "batch_size": 8,
@@ -131,10 +126,10 @@ def make_tiny_model_dir(
     directory: Path, max_seq_len: int = 128, meta: dict | None = None, text: str | None = None
 ) -> Path:
     """A randomly initialised tiny Llama directory in the HF layout the pipeline exports."""
-    from lmops.pipeline.random_model import TINY, random_model_dir
+    from lmops.pipeline.random_model import random_model_dir
 
     text = text or "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
-    return random_model_dir(directory, [text], 300, max_seq_len, meta=meta or {}, **TINY)
+    return random_model_dir(directory, [text], 300, max_seq_len, meta=meta or {}, **TINY_SHAPE)
 
 
 @pytest.fixture(scope="session")
@@ -163,9 +158,8 @@ def make_trained_model_dir(directory: Path, steps: int = 150, seed: int = 0) -> 
 
     from lmops.pipeline.evaluate import score
     from lmops.pipeline.params import EvaluateConfig
-    from lmops.pipeline.random_model import TINY
     from lmops.pipeline.tokenize_stage import save_tokenizer, train_tokenizer
-    from lmops.runtime.model import Llama, LlamaConfig
+    from lmops.runtime.model import Llama
     from lmops.runtime.model_dir import ModelMeta, write_meta
     from lmops.runtime.tokenizer import chunks, encode
 
@@ -176,7 +170,7 @@ def make_trained_model_dir(directory: Path, steps: int = 150, seed: int = 0) -> 
     tok = train_tokenizer([train_text], vocab_size=512)
     ids = torch.from_numpy(encode(tok, train_text))
     torch.manual_seed(seed)
-    shape = {**TINY, "n_embd": 96, "intermediate_size": 192}  # wide enough to learn in 150 steps
+    shape = {**TINY_SHAPE, "n_embd": 96, "intermediate_size": 192}  # wide enough to learn in 150 steps
     cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), max_seq_len=256, **shape)
     model = Llama(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -84,7 +84,7 @@ def stages() -> dict[str, list[tuple[str, str]]]:
 
 
 def test_the_serving_target_carries_the_runtime_half_only_and_the_pipeline_target_all():
-    """DESIGN.md's two halves: the image the LoadBalancer serves has no pipeline code (nor its
+    """The two halves (docs/architecture.md): the image the LoadBalancer serves has no pipeline code (nor its
     `lmops` command); Kubeflow's steps run in the pipeline target."""
     by_stage = stages()
     serving = [args for stage in ("build", "runtime") for op, args in by_stage[stage] if op == "COPY"]

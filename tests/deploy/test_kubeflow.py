@@ -34,6 +34,26 @@ def compile_pipeline(output, *extra: str) -> None:
     )
 
 
+def pipeline_module():
+    """kubeflow/pipeline.py, a script, as a module."""
+    spec = importlib.util.spec_from_file_location("pipeline", REPO / "kubeflow" / "pipeline.py")
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+    return pipeline
+
+
+def run_stage(args: list[str], bin_dir, app) -> subprocess.CompletedProcess:
+    """The steps' shell on `args`, with the `lmops` of `bin_dir` and `app` for the image's /app."""
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "LMOPS_APP": str(app)}
+    return subprocess.run(
+        ["sh", "-c", pipeline_module().RUN_STAGE, "run_stage", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
 def test_committed_pipeline_yaml_is_up_to_date(tmp_path):
     compile_pipeline(tmp_path / "pipeline.yaml")
     assert (tmp_path / "pipeline.yaml").read_text() == PIPELINE.read_text(), (
@@ -93,40 +113,63 @@ def test_train_step_runs_the_trainjob_on_the_volume_its_pods_share():
     assert "WORKDIR /app\n" in pipeline_stage and "COPY kubeflow/trainjob.yaml kubeflow/\n" in pipeline_stage
 
 
-def steps() -> dict[str, dict[str, list[str]]]:
-    """stage -> {"in": [paths], "out": [paths]} from the compiled executors (the steps of one stage together)."""
+def step_paths() -> dict[str, dict[str, set[str]]]:
+    """stage -> {"in": paths, "out": paths}: what the compiled steps stage in (--in) and export
+    (--out), the steps of one stage (tokenize's three) together."""
     spec, _ = load_pipeline()
-    found: dict[str, dict[str, list[str]]] = {}
+    found: dict[str, dict[str, set[str]]] = {}
     for executor in spec["deploymentSpec"]["executors"].values():
         args = executor["container"]["args"]
         stage = {"trainjob": "train"}.get(args[0], args[0])  # the train stage on a TrainJob
-        step = found.setdefault(stage, {"in": [], "out": []})
+        step = found.setdefault(stage, {"in": set(), "out": set()})
         for flag in ("in", "out"):
-            step[flag] += [args[i + 1] for i, a in enumerate(args) if a == f"--{flag}"]
+            step[flag] |= {args[i + 1] for i, a in enumerate(args) if a == f"--{flag}"}
     return found
 
 
-def test_steps_are_the_dvc_stages_with_their_inputs_and_outputs():
-    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    found = steps()
-    assert set(found) == set(stages)
+def mismatches(stages: dict, found: dict[str, dict[str, set[str]]]) -> list[str]:
+    """Where dvc.yaml's `stages` and the steps' paths `found` disagree: a stage's deps must be
+    what its steps stage in (but what one of them hands another, tokenize's tokenizer), its
+    outs and metrics what they export; a directory stands for the files under it."""
 
-    def paths(entries) -> list[str]:
-        return [e if isinstance(e, str) else next(iter(e)) for e in entries or []]
+    def declared(stage: dict, *keys: str) -> set[str]:
+        return {e if isinstance(e, str) else next(iter(e)) for key in keys for e in stage.get(key) or []}
 
-    def covered(path: str, by: list[str]) -> bool:
+    def covered(path: str, by: set[str]) -> bool:
         return any(path == p or path.startswith(p + "/") for p in by)
 
-    for name, stage in stages.items():
-        deps = [d for d in paths(stage.get("deps")) if d.startswith(("data/", "artifacts/"))]
-        for dep in deps:
-            assert covered(dep, found[name]["in"]), f"{name}: the step does not provide {dep}"
-        produced = paths(stage.get("outs")) + paths(stage.get("metrics")) + paths(stage.get("plots"))
-        for out in found[name]["out"]:
-            assert any(covered(p, [out]) for p in produced), f"{name}: {out} is not an output of the stage"
-        # what `dvc metrics show` and `dvc plots show` read is a KFP artifact too
-        for shown in paths(stage.get("metrics")) + [p for p in produced if p.startswith("artifacts/plots/")]:
-            assert covered(shown, found[name]["out"]), f"{name}: the step does not export {shown}"
+    problems = [f"{name}: no step runs it" for name in stages if name not in found]
+    problems += [f"{name}: not a stage of dvc.yaml" for name in found if name not in stages]
+    for name in (n for n in stages if n in found):
+        steps = found[name]
+        for verb, dvc, moved in (
+            ("stages in", declared(stages[name], "deps"), steps["in"] - steps["out"]),
+            ("exports", declared(stages[name], "outs", "metrics"), steps["out"]),
+        ):
+            problems += [f"{name}: no step {verb} {p}" for p in sorted(dvc) if not covered(p, moved)]
+            problems += [
+                f"{name}: a step {verb} {p}, not in dvc.yaml"
+                for p in sorted(moved)
+                if not any(covered(d, {p}) for d in dvc)
+            ]
+    return problems
+
+
+def test_steps_stage_in_and_export_just_the_dvc_stages_deps_and_outs():
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert mismatches(stages, step_paths()) == []
+
+
+def test_steps_and_dvc_yaml_mismatches_are_reported():
+    """The check above can fail: an out that only dvc.yaml declares, and a path a step stages
+    in that is no longer a dep, are each reported."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    stages["split"]["outs"].append("artifacts/extra.json")
+    stages["train"]["deps"].remove("data/raw/manifest.json")
+    assert mismatches(stages, step_paths()) == [
+        "split: no step exports artifacts/extra.json",
+        "train: a step stages in data/raw, not in dvc.yaml",
+    ]
 
 
 def test_dag_runs_in_stage_order_and_shares_one_mlflow_server():
@@ -175,10 +218,6 @@ echo "$MLFLOW_TRACKING_URI" > artifacts/model/tracking_uri
 
 
 def test_step_shell_copies_inputs_runs_the_stage_and_exports_outputs(tmp_path, fake_lmops):
-    spec = importlib.util.spec_from_file_location("pipeline", REPO / "kubeflow" / "pipeline.py")
-    pipeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pipeline)
-
     app = tmp_path / "app"
     (app).mkdir()
     (app / "params.yaml").write_text("train: {}\n")
@@ -203,27 +242,14 @@ def test_step_shell_copies_inputs_runs_the_stage_and_exports_outputs(tmp_path, f
         "artifacts/model",
         str(model),
     ]
-    env = {**os.environ, "PATH": f"{fake_lmops}{os.pathsep}{os.environ['PATH']}", "LMOPS_APP": str(app)}
-    proc = subprocess.run(
-        ["sh", "-c", pipeline.RUN_STAGE, "run_stage", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    proc = run_stage(args, fake_lmops, app)
     assert proc.returncode == 0, proc.stderr
     assert (model / "tracking_uri").read_text().strip() == "http://mlflow:5000"
 
     # A missing input artifact stops the step before the stage runs; nothing is exported.
     args[-1] = str(tmp_path / "out" / "again")
     args[5] = str(tmp_path / "in" / "missing")
-    proc = subprocess.run(
-        ["sh", "-c", pipeline.RUN_STAGE, "run_stage", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    proc = run_stage(args, fake_lmops, app)
     assert proc.returncode != 0 and not (tmp_path / "out" / "again").exists()
 
 
@@ -257,9 +283,7 @@ class FakeKfp:
 def test_schedule_replaces_the_recurring_run_of_the_same_name(tmp_path, monkeypatch, capsys):
     import kfp.client
 
-    spec = importlib.util.spec_from_file_location("pipeline", REPO / "kubeflow" / "pipeline.py")
-    pipeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pipeline)
+    pipeline = pipeline_module()
     monkeypatch.setattr(kfp.client, "Client", FakeKfp)
     FakeKfp.calls = []
     package = str(tmp_path / "p.yaml")
@@ -285,9 +309,6 @@ def test_schedule_replaces_the_recurring_run_of_the_same_name(tmp_path, monkeypa
 def test_merge_step_collects_the_parts_and_passes_its_options(tmp_path):
     """The merge step gets the parts as KFP's JSON list of artifacts: each lands in its own
     directory, and `--arg` reaches the stage's command line."""
-    spec = importlib.util.spec_from_file_location("pipeline", REPO / "kubeflow" / "pipeline.py")
-    pipeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pipeline)
     bin_dir, app = tmp_path / "bin", tmp_path / "app"
     bin_dir.mkdir()
     app.mkdir()
@@ -307,13 +328,6 @@ mkdir -p data/processed/tokens && echo merged > data/processed/tokens/index.json
     args = ["tokenize", "--arg", "--merge", "--arg", "data/processed/token-parts"]
     args += ["--in-list", "data/processed/token-parts", json.dumps(parts)]
     args += ["--out", "data/processed/tokens", str(tmp_path / "out")]
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "LMOPS_APP": str(app)}
-    proc = subprocess.run(
-        ["sh", "-c", pipeline.RUN_STAGE, "run_stage", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    proc = run_stage(args, bin_dir, app)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "index.json").read_text() == "merged\n"

@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from lmops.runtime.model_dir import TOKENIZER_CONFIG_FILE, read_json_object
+from lmops.runtime.json_files import read_json_object
+from lmops.runtime.model_dir import TOKENIZER_CONFIG_FILE
 from tests.service.conftest import CONTEXT, load_app
 from tests.service.test_app import assert_error, sse_events
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from lmops import atomic
-from lmops.pipeline.random_model import TINY
 from lmops.runtime.engine import LLMEngine
-from lmops.runtime.model import Llama, LlamaConfig
+from lmops.runtime.model import Llama
+from lmops.runtime.model_config import TINY_SHAPE, LlamaConfig
 from lmops.runtime.model_dir import current, export
 
 
@@ -46,7 +46,7 @@ def test_outputs_get_the_umask_modes(tmp_path, umask, mask):
 def test_a_saved_model_directory_gets_the_umask_modes(tmp_path, umask):
     """save_pretrained (artifacts/model) too: safetensors' own save_file would make the weights 0600."""
     umask(0o022)
-    Llama(LlamaConfig(vocab_size=300, **TINY)).save_pretrained(tmp_path / "m")
+    Llama(LlamaConfig(vocab_size=300, **TINY_SHAPE)).save_pretrained(tmp_path / "m")
     assert {p.name: mode(p) for p in (tmp_path / "m").iterdir()} == {
         "config.json": 0o644,
         "generation_config.json": 0o644,

@@ -1,11 +1,11 @@
 from lmops.pipeline import cli
-from lmops.pipeline.random_model import TINY
-from lmops.runtime.model import Llama, LlamaConfig
+from lmops.runtime.model import Llama
+from lmops.runtime.model_config import TINY_SHAPE, LlamaConfig
 from tests.conftest import REPO
 
 
 def test_generate_samples_with_the_models_defaults_unless_a_flag_says_otherwise(tmp_path):
-    Llama(LlamaConfig(vocab_size=300, **TINY)).save_pretrained(tmp_path)
+    Llama(LlamaConfig(vocab_size=300, **TINY_SHAPE)).save_pretrained(tmp_path)
     args = cli.build_parser().parse_args(
         ["generate", "--model", str(tmp_path), "--prompt", "x", "--top-k", "5"]
     )

@@ -6,7 +6,8 @@ import torch
 from lmops.pipeline.evaluate import score
 from lmops.pipeline.params import EvaluateConfig
 from lmops.pipeline.tokenize_stage import train_tokenizer
-from lmops.runtime.model import Llama, LlamaConfig
+from lmops.runtime.model import Llama
+from lmops.runtime.model_config import LlamaConfig
 from lmops.runtime.tokenizer import chunks, encode, token_byte_lengths
 
 TEXT = "".join(f"print('line {i} → ok')\n" for i in range(300))

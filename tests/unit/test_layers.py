@@ -1,4 +1,4 @@
-"""Two halves, one direction (DESIGN.md): the runtime (lmops.runtime) and the service
+"""Two halves, one direction (docs/architecture.md): the runtime (lmops.runtime) and the service
 (production_service) never import the pipeline (lmops.pipeline), not even lazily, so the
 serving image carries neither its code nor its dependencies; and the service's settings,
 which gunicorn's master reads, load no torch."""
@@ -120,7 +120,9 @@ def internal_imports(path, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+                base = ".".join(
+                    [*package.split(".")[: len(package.split(".")) - node.level + 1], base]
+                ).strip(".")
             found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
     return found & modules
 

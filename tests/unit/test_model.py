@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lmops.errors import LmopsError
-from lmops.runtime.model import KVCache, Llama, LlamaConfig
+from lmops.runtime.model import KVCache, Llama
+from lmops.runtime.model_config import LlamaConfig
 
 CFG = LlamaConfig(
     vocab_size=320, n_layer=2, n_head=4, n_kv_heads=2, n_embd=64, intermediate_size=160, max_seq_len=64

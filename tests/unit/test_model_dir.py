@@ -1,5 +1,5 @@
-"""The model directory's one owner (lmops.runtime.model_dir): lmops.json's schema, the
-generation defaults every door samples with, verification at load, export."""
+"""The model directory's one owner (lmops.runtime.model_dir): lmops.json's schema,
+verification at load, export."""
 
 from __future__ import annotations
 
@@ -16,17 +16,16 @@ from safetensors.torch import load_file, save_file
 
 from lmops.errors import LmopsError
 from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.generation_config import GENERATION_DEFAULTS
 from lmops.runtime.model import Llama
 from lmops.runtime.model_dir import (
     CURRENT,
-    GENERATION_DEFAULTS,
     META_FILE,
     MODEL_FILES,
     current,
     export,
     read_meta,
     require_meta,
-    sampling_defaults,
     tidy,
     verify,
     weights_digest,
@@ -77,7 +76,7 @@ def test_a_corrupt_generation_config_is_one_error_naming_the_file(copy):
         verify(copy)
     (copy / "generation_config.json").write_text('{"do_sample": true, "temperature": -1}')
     with pytest.raises(LmopsError, match=r"generation_config\.json: temperature must be"):
-        sampling_defaults(copy)
+        SamplingParams.from_model_dir(copy)
 
 
 def test_weights_that_are_not_the_recorded_ones_are_refused(copy):
@@ -101,9 +100,9 @@ def test_weights_full_of_nan_are_refused_even_without_a_digest(copy):
         Llama.from_pretrained(copy)
 
 
-def test_one_sampling_story_from_generation_config(model_dir, copy):
-    """`lmops generate`, evaluate, the pyfunc and the API all start from the file."""
-    s = sampling_defaults(model_dir)
+def test_a_trained_model_samples_with_the_generation_defaults(model_dir):
+    """What training writes into generation_config.json is what every door starts from."""
+    s = SamplingParams.from_model_dir(model_dir)
     want = GENERATION_DEFAULTS
     assert (s.temperature, s.top_k, s.top_p, s.max_tokens) == (
         want["temperature"],
@@ -112,14 +111,6 @@ def test_one_sampling_story_from_generation_config(model_dir, copy):
         want["max_new_tokens"],
     )
     assert s.seed is None  # a fresh draw unless the caller seeds it
-    # a deployment's override on top of the file, a caller's explicit choice on top of both
-    s = sampling_defaults(model_dir, {"temperature": 0.3, "max_new_tokens": 9}, top_k=0)
-    assert (s.temperature, s.max_tokens, s.top_k, s.top_p) == (0.3, 9, 0, want["top_p"])
-    assert sampling_defaults(model_dir, {"do_sample": False}).greedy
-    (copy / "generation_config.json").write_text('{"temperature": 0.7}')  # as transformers: greedy
-    assert sampling_defaults(copy).greedy
-    (copy / "generation_config.json").unlink()  # none at all: the engine's defaults, as vLLM's
-    assert sampling_defaults(copy) == SamplingParams()
 
 
 def test_export_merges_facts_and_keeps_a_plain_directory_servable(model_dir, tmp_path):

@@ -18,7 +18,8 @@ from lmops.pipeline.train import (
     measure_peak_flops,
     write_log,
 )
-from lmops.runtime.model import Llama, LlamaConfig
+from lmops.runtime.model import Llama
+from lmops.runtime.model_config import LlamaConfig
 
 CFG = LlamaConfig(
     vocab_size=64, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, max_seq_len=8

@@ -72,10 +72,10 @@ def _tokenize(params, args: argparse.Namespace) -> None:
 
 def _sampling(args: argparse.Namespace):
     """The model's own sampling defaults (generation_config.json), the flags given on top."""
-    from lmops.runtime.model_dir import sampling_defaults
+    from lmops.runtime.engine import SamplingParams
 
     given = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_k", "top_p", "seed")}
-    return sampling_defaults(args.model, **{k: v for k, v in given.items() if v is not None})
+    return SamplingParams.from_model_dir(args.model, **{k: v for k, v in given.items() if v is not None})
 
 
 def _engine(args: argparse.Namespace, **settings):

@@ -27,7 +27,7 @@ from lmops.pipeline.paths import METRICS_FILE, MODEL_DIR, PROCESSED_DIR, SAMPLES
 from lmops.pipeline.tokenize_stage import split_path, text_chunks
 from lmops.runtime.engine import LLMEngine, SamplingParams
 from lmops.runtime.model import Llama, resolve_device
-from lmops.runtime.model_dir import require_meta, sampling_defaults
+from lmops.runtime.model_dir import require_meta
 from lmops.runtime.tokenizer import encode_pieces, load_tokenizer, token_byte_lengths
 
 log = logging.getLogger(__name__)
@@ -43,14 +43,16 @@ def score(model: Llama, tokenizer, pieces: Iterable[str], cfg: EvaluateConfig) -
     ids = encode_pieces(tokenizer, pieces, at_least=needed)
     if len(ids) < 2:
         raise LmopsError("test split encodes to fewer than 2 tokens; nothing to evaluate")
-    window = min(model.config.max_seq_len, len(ids) - 1)
-    n_windows = min((len(ids) - 1) // window, cfg.max_batches * cfg.batch_size)
+    # Not always the context: a text too short to fill one is a single shorter window.
+    window_len = min(model.config.max_seq_len, len(ids) - 1)
+    n_windows = min((len(ids) - 1) // window_len, cfg.max_batches * cfg.batch_size)
     byte_len = token_byte_lengths(tokenizer)
     device = next(model.parameters()).device
     nll, n_tokens, n_bytes = 0.0, 0, 0
     for start in range(0, n_windows, cfg.batch_size):
         rows = range(start, min(start + cfg.batch_size, n_windows))
-        xy = torch.from_numpy(np.stack([ids[i * window : i * window + window + 1] for i in rows])).to(device)
+        windows = [ids[i * window_len : (i + 1) * window_len + 1] for i in rows]
+        xy = torch.from_numpy(np.stack(windows)).to(device)
         logits, _ = model(xy[:, :-1])
         targets = xy[:, 1:]
         nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
@@ -109,7 +111,7 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
 
     # The model's own sampling defaults, as `lmops generate`, the pyfunc and the API use them,
     # seeded so that the stage's output is reproducible.
-    s = sampling_defaults(model_dir, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    s = SamplingParams.from_model_dir(model_dir, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
     samples = sample_completions(engine, cfg.prompts, s)
     lines = [
         f"# Samples (temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "

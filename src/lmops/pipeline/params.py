@@ -72,8 +72,9 @@ class TokenizerConfig(_Section):
 
 
 class ModelConfig(LlamaShape, _Section):
-    """The `model` section is the model's shape (`lmops.runtime.model_config.LlamaShape`): fields, defaults
-    and checks are defined there once; the tokenizer adds the vocabulary at train time."""
+    """params.yaml's face of the model's shape (`lmops.runtime.model_config.LlamaShape`, where its
+    fields, defaults and checks are defined once): read as strictly as every section (no type
+    coercion) and taking the deprecated `block_size`. The tokenizer adds the vocabulary at train time."""
 
     @model_validator(mode="before")
     @classmethod

@@ -22,9 +22,14 @@ MODEL_DIR = Path("artifacts/model")
 CHECKPOINT_DIR = Path("artifacts/checkpoints")
 TRAIN_LOG_FILE = Path("artifacts/plots/train_log.csv")
 VAL_LOG_FILE = Path("artifacts/plots/val_log.csv")
+PLOTS_DIR = TRAIN_LOG_FILE.parent  # both logs, what `dvc plots show` draws
 METRICS_FILE = Path("artifacts/metrics.json")
 SAMPLES_FILE = Path("artifacts/samples.md")
 PROMOTION_FILE = Path("artifacts/promotion.json")
 # Seconds and MB/s of the data stages: beside their DVC outputs, never inside them (a
 # timing differs every run, and in a tracked output it would make DVC rerun what follows).
 THROUGHPUT_FILE = Path("artifacts/throughput.json")
+
+# What the stages write into, which template.py makes before the first `dvc repro` (each
+# stage makes its other outputs itself).
+WORK_DIRECTORIES = (RAW_DIR, PROCESSED_DIR, TOKENIZER_DIR, CHECKPOINT_DIR, PLOTS_DIR)

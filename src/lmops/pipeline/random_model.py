@@ -13,11 +13,9 @@ from pathlib import Path
 import torch
 
 from lmops.pipeline.tokenize_stage import save_tokenizer, train_tokenizer
-from lmops.runtime.model import Llama, LlamaConfig
+from lmops.runtime.model import Llama
+from lmops.runtime.model_config import LlamaConfig
 from lmops.runtime.model_dir import ModelMeta, write_model_dir
-
-# The smallest shape that still has GQA (4 query heads over 2 KV heads) and two layers.
-TINY = {"n_layer": 2, "n_head": 4, "n_kv_heads": 2, "n_embd": 64, "intermediate_size": 128}
 
 
 def random_model_dir(

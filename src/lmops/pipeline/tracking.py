@@ -22,7 +22,6 @@ from pathlib import Path
 from lmops.errors import LmopsError
 from lmops.pipeline.params import MlflowConfig, Params
 from lmops.pipeline.paths import DATA_REPORT_FILE, THROUGHPUT_FILE, TOKENIZER_DIR, TOKENS_DIR
-from lmops.runtime.model_dir import sampling_defaults
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +212,9 @@ def predict_signature(model_dir: Path):
     from mlflow.models import ModelSignature, infer_signature
     from mlflow.types import ParamSchema, ParamSpec
 
-    s = sampling_defaults(model_dir)
+    from lmops.runtime.engine import SamplingParams
+
+    s = SamplingParams.from_model_dir(model_dir)
     io = infer_signature(["def "], ["completion"])
     params = [
         ParamSpec("max_tokens", "long", s.max_tokens),

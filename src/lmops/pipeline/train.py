@@ -56,7 +56,8 @@ from lmops.pipeline.paths import (
     VAL_LOG_FILE,
 )
 from lmops.pipeline.tokenize_stage import Tokens, check_tokenizer, read_tokens
-from lmops.runtime.model import Llama, LlamaConfig, bf16_native, resolve_device
+from lmops.runtime.model import Llama, bf16_native, resolve_device
+from lmops.runtime.model_config import LlamaConfig
 from lmops.runtime.model_dir import ModelMeta, write_model_dir
 from lmops.runtime.tokenizer import load_tokenizer
 
@@ -113,13 +114,15 @@ def plateau_lr(cfg: TrainConfig, decays: int) -> float:
 
 
 def batch(
-    tokens: Tokens | np.ndarray, window: int, size: int, seed: tuple[int, ...], device
+    tokens: Tokens | np.ndarray, max_seq_len: int, size: int, seed: tuple[int, ...], device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`size` random windows of `window` tokens and their next-token targets."""
-    if len(tokens) <= window + 1:
-        raise LmopsError(f"split has {len(tokens)} tokens, fewer than model.max_seq_len + 2 = {window + 2}")
-    starts = np.random.default_rng(seed).integers(0, len(tokens) - window - 1, size)
-    rows = np.stack([tokens[s : s + window + 1].astype(np.int64) for s in starts])
+    """`size` random windows of `max_seq_len` tokens and their next-token targets."""
+    if len(tokens) <= max_seq_len + 1:
+        raise LmopsError(
+            f"split has {len(tokens)} tokens, fewer than model.max_seq_len + 2 = {max_seq_len + 2}"
+        )
+    starts = np.random.default_rng(seed).integers(0, len(tokens) - max_seq_len - 1, size)
+    rows = np.stack([tokens[s : s + max_seq_len + 1].astype(np.int64) for s in starts])
     xy = torch.from_numpy(rows).to(device)
     return xy[:, :-1], xy[:, 1:]
 
@@ -196,22 +199,25 @@ def make_optimizer(model: Llama, cfg: TrainConfig, device: torch.device) -> torc
 
 
 @torch.no_grad()
-def estimate_val_loss(model, tokens: Tokens | np.ndarray, cfg: TrainConfig, window: int, device) -> float:
-    """Mean next-token loss over non-overlapping windows spread evenly across the validation
-    split (all of it when eval_batches x batch_size windows cover it), the same windows every
-    time, in float32: keep_best selects on the numbers the exported model is scored with."""
-    available = (len(tokens) - 1) // window
+def estimate_val_loss(
+    model, tokens: Tokens | np.ndarray, cfg: TrainConfig, max_seq_len: int, device
+) -> float:
+    """Mean next-token loss over non-overlapping windows of `max_seq_len` tokens spread evenly
+    across the validation split (all of it when eval_batches x batch_size windows cover it),
+    the same windows every time, in float32: keep_best selects on the numbers the exported
+    model is scored with."""
+    available = (len(tokens) - 1) // max_seq_len
     if available < 1:
         raise LmopsError(
-            f"val split has {len(tokens)} tokens, fewer than model.max_seq_len + 1 = {window + 1}"
+            f"val split has {len(tokens)} tokens, fewer than model.max_seq_len + 1 = {max_seq_len + 1}"
         )
     n_windows = min(available, cfg.eval_batches * cfg.batch_size)
-    starts = np.linspace(0, available - 1, n_windows).round().astype(np.int64) * window
+    starts = np.linspace(0, available - 1, n_windows).round().astype(np.int64) * max_seq_len
     model.eval()
     loss_sum = 0.0
     for first in range(0, n_windows, cfg.batch_size):
         rows = np.stack(
-            [tokens[s : s + window + 1].astype(np.int64) for s in starts[first : first + cfg.batch_size]]
+            [tokens[s : s + max_seq_len + 1].astype(np.int64) for s in starts[first : first + cfg.batch_size]]
         )
         xy = torch.from_numpy(rows).to(device)
         loss_sum += model(xy[:, :-1], xy[:, 1:])[1].item() * len(rows)
@@ -360,7 +366,7 @@ def _compile(run: Run) -> None:
     draws the same dropout masks as an uninterrupted one. Where inductor cannot compile
     (no C++ compiler on CPU) the run trains eagerly, with a warning."""
     # fallback_random: dropout masks from torch's own generator, not inductor's Philox
-    # kernels (measured 10% faster for the whole step on CPU with residual dropout 0.2).
+    # kernels (faster on CPU; measured in benchmarks/README.md, "Training speed").
     compiled = torch.compile(run.forward, options={"fallback_random": True})
     dummy = torch.zeros(run.cfg.batch_size, run.params.model.max_seq_len, dtype=torch.long, device=run.device)
     log.info(

@@ -12,8 +12,7 @@ from __future__ import annotations
 import mlflow
 from mlflow.pyfunc import PythonModel
 
-from lmops.runtime.engine import LLMEngine
-from lmops.runtime.model_dir import sampling_defaults
+from lmops.runtime.engine import LLMEngine, SamplingParams
 
 
 class LmopsCompletionModel(PythonModel):
@@ -30,7 +29,7 @@ class LmopsCompletionModel(PythonModel):
     def predict(self, context, model_input, params=None) -> list[str]:
         prompts = model_input.iloc[:, 0].tolist() if hasattr(model_input, "iloc") else list(model_input)
         given = {k: v for k, v in (params or {}).items() if v is not None}
-        sampling = sampling_defaults(self.model_dir, **given)
+        sampling = SamplingParams.from_model_dir(self.model_dir, **given)
         return [out.text for out in self.engine.generate([str(p) for p in prompts], sampling)]
 
 

@@ -26,15 +26,10 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from lmops.errors import LmopsError
+from lmops.runtime.generation_config import GENERATION_DEFAULTS, GENERATION_FILE
+from lmops.runtime.json_files import read_json_object
 from lmops.runtime.model_config import LlamaConfig
-from lmops.runtime.model_dir import (
-    CONFIG_FILE,
-    GENERATION_DEFAULTS,
-    GENERATION_FILE,
-    WEIGHTS_FILE,
-    read_json_object,
-    verify,
-)
+from lmops.runtime.model_dir import CONFIG_FILE, WEIGHTS_FILE, verify
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -45,6 +45,11 @@ class LlamaShape(BaseModel):
         return self
 
 
+# The smallest shape that still has GQA (4 query heads over 2 KV heads) and two layers: what
+# tests build when the weights do not matter (LlamaShape's defaults for the rest).
+TINY_SHAPE = {"n_layer": 2, "n_head": 4, "n_kv_heads": 2, "n_embd": 64, "intermediate_size": 128}
+
+
 class LlamaConfig(LlamaShape):
     """The shape plus what the tokenizer decides: vocabulary size and special token ids."""
 

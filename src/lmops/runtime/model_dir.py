@@ -1,6 +1,6 @@
 """The model directory, the one thing that crosses from the pipeline to the runtime, and its
-one owner: its files, the typed `lmops.json`, the generation defaults, writing, reading,
-verifying, exporting and downloading it.
+one owner: its files, the typed `lmops.json`, writing, reading, verifying, exporting and
+downloading it (generation_config.json's sampling defaults: lmops.runtime.generation_config).
 
 The layout is Hugging Face's Llama one (`config.json`, `model.safetensors`,
 `generation_config.json`, `tokenizer.json`, `tokenizer_config.json`), so transformers and
@@ -14,25 +14,24 @@ Free of torch at import: the pipeline's light stages and the service's master re
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lmops import atomic, crash_points
 from lmops.errors import LmopsError
+from lmops.runtime.generation_config import GENERATION_FILE, read_generation_config
+from lmops.runtime.json_files import read_json_object
 
 if TYPE_CHECKING:
-    from lmops.runtime.engine.sampling import SamplingParams
     from lmops.runtime.model import Llama
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-GENERATION_FILE = "generation_config.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG_FILE)
 # Where transformers (>= 4.43) saves a chat template; older directories keep it as
@@ -46,25 +45,6 @@ MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE, *TOKENIZER_FILES)
 CURRENT = ".current"
 VERSION_PREFIX = ".v-"
 
-# How a model samples by default, defined once and written into generation_config.json,
-# where HF runtimes read it too. `lmops generate`, evaluate's samples, the MLflow pyfunc and
-# the API (`/v1/completions` without temperature, top_p, top_k or max_tokens) all start
-# from the directory's file (`sampling_defaults`), as vLLM does with `--generation-config auto`.
-GENERATION_DEFAULTS = {
-    "do_sample": True,
-    "temperature": 0.8,
-    "top_k": 50,
-    "top_p": 0.95,
-    "max_new_tokens": 128,
-}
-# The generation_config.json keys that set sampling defaults (besides do_sample: false =
-# greedy), and the SamplingParams field each one sets.
-GENERATION_KEYS = {
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "max_new_tokens": "max_tokens",
-}
 META_VERSION = 1
 Metric = float | int | str | None
 
@@ -96,17 +76,6 @@ class ModelMeta(BaseModel):
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             return None
         return float(value)
-
-
-def read_json_object(path: Path, what: str) -> dict:
-    """A JSON object from `path`, or one line naming the file and what is wrong."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LmopsError(f"{path}: unreadable {what} ({exc})") from None
-    if not isinstance(value, dict):
-        raise LmopsError(f"{path}: unreadable {what} (not a JSON object)")
-    return value
 
 
 def read_meta(directory: str | Path) -> ModelMeta | None:
@@ -146,27 +115,6 @@ def require_meta(directory: str | Path) -> ModelMeta:
 def write_meta(directory: Path, meta: ModelMeta) -> None:
     text = meta.model_dump_json(indent=2, exclude_none=True)
     (directory / META_FILE).write_text(text + "\n", encoding="utf-8")
-
-
-def read_generation_config(directory: str | Path) -> dict:
-    """The directory's generation_config.json ({} when it has none)."""
-    path = Path(directory) / GENERATION_FILE
-    return read_json_object(path, "generation config") if path.is_file() else {}
-
-
-def sampling_defaults(
-    directory: str | Path, overrides: dict[str, Any] | None = None, **fields
-) -> SamplingParams:
-    """The sampling the model asks for: its generation_config.json, with `overrides`
-    (generation-config keys: a deployment's LMOPS_GENERATION_CONFIG) on top of the file and
-    `fields` (SamplingParams fields: a caller's explicit choices) on top of both."""
-    from lmops.runtime.engine.sampling import SamplingParams
-
-    generation = {**read_generation_config(directory), **(overrides or {})}
-    try:
-        return SamplingParams.from_generation_config(generation, **fields)
-    except ValueError as exc:
-        raise LmopsError(f"{Path(directory) / GENERATION_FILE}: {exc}") from None
 
 
 def read_chat_template(directory: str | Path) -> str | None:

@@ -12,8 +12,9 @@ import random
 import pytest
 import torch
 
-from lmops.pipeline.random_model import TINY, random_model_dir
+from lmops.pipeline.random_model import random_model_dir
 from lmops.runtime.model import Llama
+from lmops.runtime.model_config import TINY_SHAPE
 
 MAX_LEN = 256
 
@@ -65,7 +66,7 @@ def single_thread():
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-model")
-    return random_model_dir(d, synthetic_corpus(), 512, MAX_LEN, seed=0, init_std=0.15, **TINY)
+    return random_model_dir(d, synthetic_corpus(), 512, MAX_LEN, seed=0, init_std=0.15, **TINY_SHAPE)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from lmops.runtime.engine.kv_cache import BlockManager, KVPool, block_hash
-from lmops.runtime.model import LlamaConfig
+from lmops.runtime.model_config import LlamaConfig
 
 
 def seq(tokens, computed=0):

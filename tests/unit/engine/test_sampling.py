@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from lmops.runtime.engine import SamplingParams
-from lmops.runtime.engine.sampling import apply_penalties, sample
+from lmops.runtime.engine.sampling import OPTIONAL, RANGES, apply_penalties, sample
 
 
 @pytest.mark.parametrize(
@@ -50,14 +51,10 @@ def test_valid_values_and_normalisation():
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
 
 
-def test_sampling_from_generation_config():
-    gen = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "max_new_tokens": 9}
-    p = SamplingParams.from_generation_config(gen, top_k=0)
-    assert (p.temperature, p.top_k, p.top_p, p.seed, p.max_tokens) == (0.7, 0, 0.9, None, 9)
-    assert SamplingParams.from_generation_config(gen, max_tokens=4).max_tokens == 4
-    # As in transformers: without do_sample the model decodes greedily, whatever else it says.
-    assert SamplingParams.from_generation_config({"temperature": 0.7}).greedy
-    assert SamplingParams.from_generation_config({}, temperature=1.0).temperature == 1.0
+def test_every_range_and_optional_field_is_a_sampling_field():
+    """RANGES is what the API's request schema publishes: no bound for a field that is not there."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(RANGES) <= fields and OPTIONAL.issubset(RANGES)
 
 
 def row(params, generator=None, prompt=(), output=()):

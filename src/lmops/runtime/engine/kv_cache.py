@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lmops.runtime.model import LlamaConfig
+from lmops.runtime.model_config import LlamaConfig
 
 if TYPE_CHECKING:
     from lmops.runtime.engine.sequence import Sequence

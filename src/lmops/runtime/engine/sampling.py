@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from lmops.runtime.model_dir import GENERATION_KEYS
+from lmops.errors import LmopsError
+from lmops.runtime.generation_config import GENERATION_FILE, default_sampling_fields
 
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0  # OpenAI's cap; higher is noise
@@ -77,18 +79,22 @@ OPTIONAL = {"max_tokens", "seed", "logprobs", "prompt_logprobs"}
 
 @dataclass
 class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
+    n: int = 1  # completions of the prompt
+    # The distribution a token is drawn from, and its filters.
+    temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 or -1: no limit
     min_p: float = 0.0
+    # vLLM's penalties: repetition over prompt and output, presence and frequency over the output.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int | None = 16
+    repetition_penalty: float = 1.0  # 1: none
+    # When generation stops (besides EOS).
+    max_tokens: int | None = 16  # None: up to the context
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = None  # a seeded request draws the same tokens whatever shares its batch
+    # Log-probs of each generated token and of this many top alternatives.
     logprobs: int | None = None
     # Log-probs of the prompt's tokens (each with its rank and this many top alternatives),
     # computed in the prefill; such a prompt is prefilled whole, not from the prefix cache.
@@ -148,21 +154,16 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
 
     @classmethod
-    def from_generation_config(cls, generation: dict, **overrides) -> SamplingParams:
-        """The sampling a generation config asks for (temperature, top_k, top_p, and
-        max_new_tokens as max_tokens; greedy when do_sample is false, as in transformers),
-        `overrides` (SamplingParams fields) on top. No generation config at all ({}): these
-        defaults (vLLM's: temperature 1), for every door alike."""
-        if not generation:
-            return cls(**overrides)
-        found = {
-            field: generation[key]
-            for key, field in GENERATION_KEYS.items()
-            if generation.get(key) is not None
-        }
-        if not generation.get("do_sample", False):
-            found["temperature"] = 0.0
-        return cls(**{**found, **overrides})
+    def from_model_dir(
+        cls, directory: str | Path, overrides: dict[str, Any] | None = None, **fields
+    ) -> SamplingParams:
+        """The sampling the model asks for (its generation config, `overrides`:
+        generation-config keys such as a deployment's LMOPS_GENERATION_CONFIG, on top), and
+        `fields` (a caller's explicit choices) on top of both: every door's one route."""
+        try:
+            return cls(**{**default_sampling_fields(directory, overrides), **fields})
+        except ValueError as exc:
+            raise LmopsError(f"{Path(directory) / GENERATION_FILE}: {exc}") from None
 
     @property
     def greedy(self) -> bool:
