@@ -37,16 +37,32 @@ def expand(token: str) -> list[str]:
     ]
 
 
+KINDS = ("deps", "outs", "metrics")
+
+
 def dvc_paths(dvc_yaml: Path = REPO / "dvc.yaml") -> set[str]:
     stages = yaml.safe_load(dvc_yaml.read_text())["stages"].values()
-    entries = [e for s in stages for key in ("deps", "outs", "metrics") for e in s.get(key, [])]
+    entries = [e for s in stages for key in KINDS for e in s.get(key, [])]
     return {next(iter(e)) if isinstance(e, dict) else e for e in entries}
 
 
+# In code blocks (the diagrams) a word names a path when it starts with one of these or is a .py file.
+TREES = ("src/", "production_service/", "deploy/", "kubeflow/", "tests/", "benchmarks/", "docs/")
+
+
 def named_paths(text: str) -> list[str]:
-    """The code spans that name a path (a slash or a file suffix), placeholders left out."""
-    spans = re.findall(r"`([^`\s]+)`", text)
-    return [p for s in spans if "<" not in s for p in expand(s.rstrip("/")) if re.search(r"/|\.\w+$", p)]
+    """The code spans that name a path (a slash or a file suffix), and the diagrams' words
+    that do; placeholders left out."""
+    fenced = re.findall(r"^```\w*\n(.*?)^```", text, re.M | re.S)
+    prose = re.sub(r"^```\w*\n.*?^```", "", text, flags=re.M | re.S)
+    spans = [s for s in re.findall(r"`([^`\s]+)`", prose) if re.search(r"/|\.\w+$", s)]
+    words = [w.strip("(),;:") for block in fenced for w in block.split()]
+    spans += [w for w in words if w.startswith(TREES) or re.fullmatch(r"[\w.]+\.py", w)]
+    return [p for s in spans if "<" not in s for p in expand(s.rstrip("/"))]
+
+
+def is_output(path: str) -> bool:
+    return path.startswith(("data/", "artifacts/")) or path.split("/")[:2] == ["production_service", "model"]
 
 
 def missing(text: str, produced: set[str]) -> list[str]:
@@ -54,7 +70,7 @@ def missing(text: str, produced: set[str]) -> list[str]:
     sources = {p.name for d in SOURCE_DIRS for p in d.rglob("*.py")}
     bad = []
     for path in named_paths(text):
-        if path.startswith(("data/", "artifacts/", "production_service/model")):
+        if is_output(path):
             if not any(path == p or path.startswith(p + "/") or p.startswith(path + "/") for p in produced):
                 bad.append(path)
         elif "/" in path:
@@ -69,12 +85,43 @@ def test_the_check_can_fail():
     text = (
         "`src/lmops/runtime/gone.py`, `artifacts/nowhere.json`, `vanished.py`, `data/raw/{corpus,lost}.txt`"
     )
+    text += (
+        ", `production_service/model_source.py`\n```\nproduction_service/absent.py (lost.py; /v1/*)\n```\n"
+    )
     assert missing(text, dvc_paths()) == [
         "src/lmops/runtime/gone.py",
         "artifacts/nowhere.json",
         "vanished.py",
         "data/raw/lost.txt",
+        "production_service/absent.py",
+        "lost.py",
     ]
+
+
+def stage_table(text: str) -> dict[str, tuple[set[str], set[str]]]:
+    """stage -> (the files its row says it reads, the files it says it writes)."""
+    rows = re.findall(r"^\| (\w+) \| [^|]* \|([^|]*)\|([^|]*)\|$", text, re.M)
+    return {
+        stage: tuple({p for p in named_paths(cell) if is_output(p)} for cell in cells)
+        for stage, *cells in rows
+        if stage != "stage"
+    }
+
+
+def dvc_stage_files(dvc_yaml: Path = REPO / "dvc.yaml") -> dict[str, tuple[set[str], set[str]]]:
+    """stage -> (its deps, its outs and metrics), as dvc.yaml declares them."""
+    files = {}
+    for stage, spec in yaml.safe_load(dvc_yaml.read_text())["stages"].items():
+        named = [{next(iter(e)) if isinstance(e, dict) else e for e in spec.get(k, [])} for k in KINDS]
+        files[stage] = (named[0], named[1] | named[2])
+    return files
+
+
+def test_the_stage_table_is_dvc_yaml():
+    text = ARCHITECTURE.read_text()
+    assert stage_table(text) == dvc_stage_files()
+    dropped = text.replace("| `artifacts/promotion.json` |", "| |")
+    assert stage_table(dropped)["promote"][1] == set()  # a row that drops an output differs
 
 
 def test_everything_the_architecture_names_exists():

@@ -31,6 +31,7 @@ def test_the_file_translates_to_sampling_fields(directory):
 def test_merge_order_file_then_deployment_then_caller(directory):
     s = SamplingParams.from_model_dir(directory, {"temperature": 0.3, "max_new_tokens": 9}, max_tokens=4)
     assert (s.temperature, s.max_tokens, s.top_k, s.top_p) == (0.3, 4, 50, 0.95)
+    assert SamplingParams.from_model_dir(directory, top_k=0).top_k == 0  # a falsy choice still wins
     assert s.seed is None  # a fresh draw unless the caller seeds it
 
 

@@ -30,18 +30,9 @@ from lmops.runtime.model import bf16_native
 
 # _weight_int8pack_mm reads the input width in 16-element vectors (other widths crash it).
 _KERNEL_ALIGN = 16
-# From this many rows on, CPU products dequantize to a GEMM instead of the int8 kernel.
-# Measured on the 25M model's shapes (benchmarks/quantize.py, 1 thread, AVX512 with bf16),
-# ms per product, float32 / int8 kernel / bfloat16 dequant+GEMM, fastest of 4 rounds:
-#   rows  qkv 512->1024       o 512->512          gate/up 512->2752   down 1376->512
-#    1    0.041/0.043/0.151   0.021/0.027/0.097   0.105/0.091/0.320   0.046/0.051/0.185
-#   12    0.181/0.181/0.197   0.091/0.096/0.122   0.490/0.462/0.449   0.229/0.224/0.245
-#   16    0.222/0.237/0.216   0.111/0.124/0.132   0.598/0.610/0.499   0.282/0.291/0.270
-#   64    0.698/0.894/0.440   0.346/0.454/0.246   1.91/2.41/1.10      0.919/1.13/0.571
-# A layer's four products, kernel vs GEMM: 0.96 vs 1.01 ms at 12 rows, 1.26 vs 1.12 at 16.
-# The crossover moves with the load on the shared box: a quieter run put it near 20 rows
-# (0.70 vs 0.80 ms at 16, 1.01 vs 0.91 at 24), so the threshold sits between. From 64
-# rows on the kernel is slower than float32 and the GEMM 1.4-2x faster than float32.
+# From this many rows on, CPU products dequantize to a GEMM instead of the int8 kernel: the
+# two cross over between about 12 and 20 rows, and from 64 rows on the kernel is slower than
+# float32 (the per-linear timings: benchmarks/README.md, "int8 weights").
 GEMM_ROWS = 16
 # Whether the CPU's bfloat16 matmul is native; if not, dequantize to float32.
 _CPU_BF16 = bf16_native(torch.device("cpu"))

@@ -94,14 +94,14 @@ class CompiledDecode:
         model = forward.model
         self.device = model.lm_head.weight.device
         # One graph per size, compiled ahead of time (`aot_compile`): a step calls its size's
-        # graph directly, with none of dynamo's per-call guard checks or cache lookup (those
-        # cost about 0.06 ms a step, as much as the Python around the graph). Nothing is
+        # graph directly, with none of dynamo's per-call guard checks or cache lookup (they cost
+        # as much as the Python around the graph: benchmarks/README.md). Nothing is
         # left for guards to catch: the caller picks the size, the inputs' dtypes and ranks
         # never change, and the block-table width is symbolic (two blocks at least: a
         # symbolic size of 1 would be specialised). The weights are read from the model at
         # each call, not baked in, so a graph fits any engine of the same structure.
         # cpp_wrapper: the code that calls the step's kernels is C++ too, not Python
-        # (about 0.1 ms less per step at batch 1; benchmarks/README.md).
+        # (less per step at batch 1; benchmarks/README.md, "Inference engine").
         options = {"cpp_wrapper": True, "guard_filter_fn": lambda guards: [False] * len(guards)}
         self._compiler = torch.compile(self._eager_step, fullgraph=True, options=options)
         # (Imported here: torch._dynamo takes a second to import, which an engine that
