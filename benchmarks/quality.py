@@ -96,11 +96,10 @@ def main() -> int:
             timings[stage] = round(time.perf_counter() - t0, 1)
 
         sys.path.insert(0, str(REPO / "src"))
-        from lmops.pipeline.evaluate import evaluate_dir, score
-        from lmops.pipeline.params import EvaluateConfig
+        from lmops.pipeline.evaluate import score
         from lmops.runtime.model import Llama
         from lmops.runtime.quantize import quantize
-        from lmops.runtime.tokenizer import load_tokenizer
+        from lmops.runtime.tokenizer import chunks, load_tokenizer
 
         train_text = (work / "data/processed/train.txt").read_text()
         heldout = "".join((work / f"data/processed/{name}.txt").read_text() for name in ("val", "test"))
@@ -108,12 +107,11 @@ def main() -> int:
         assert corpus.startswith(train_text), "tail split: train must be the start of the corpus"
         split_at = {"ours": len(train_text), "nanoGPT": int(len(corpus) * 0.9)}
         report = json.loads((work / "artifacts/data_report.json").read_text())
-        model_dir, cfg = work / "artifacts/model", EvaluateConfig(max_batches=10_000, batch_size=16)
-        val = evaluate_dir(model_dir, heldout, cfg)
+        model_dir = work / "artifacts/model"
+        tokenizer = load_tokenizer(model_dir)
+        val = score(Llama.from_pretrained(model_dir), tokenizer, chunks(heldout))
         # The same weights as int8 weight-only (lmops.runtime.quantize): its quality cost.
-        val_int8 = score(
-            quantize(Llama.from_pretrained(model_dir), "int8"), load_tokenizer(model_dir), heldout, cfg
-        )
+        val_int8 = score(quantize(Llama.from_pretrained(model_dir), "int8"), tokenizer, chunks(heldout))
         state = json.loads((work / "artifacts/checkpoints/state.json").read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)

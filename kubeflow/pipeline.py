@@ -54,6 +54,7 @@ ARTIFACT_PATHS = {
     "splits": paths.PROCESSED_DIR,
     "report": paths.DATA_REPORT_FILE,
     "data_metrics": paths.DATA_METRICS_FILE,
+    "data_card": paths.DATA_CARD_FILE,
     "tokenizer": paths.TOKENIZER_DIR,
     "parts": paths.PROCESSED_DIR / "token-parts",  # the encoders' outputs, for the merge step only
     "tokens": paths.TOKENS_DIR,
@@ -61,7 +62,9 @@ ARTIFACT_PATHS = {
     "plots": paths.PLOTS_DIR,
     "metrics": paths.METRICS_FILE,
     "samples": paths.SAMPLES_FILE,
+    "units": paths.UNITS_FILE.parent,
     "promotion": paths.PROMOTION_FILE,
+    "promotion_metrics": paths.PROMOTION_METRICS_FILE,
 }
 
 # The TrainJob the train step runs, as the pipeline image carries it (the Dockerfile copies
@@ -152,9 +155,15 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
 
     @dsl.container_component
     def split(
-        raw: Input[Dataset], splits: Output[Dataset], report: Output[Artifact], data_metrics: Output[Artifact]
+        raw: Input[Dataset],
+        splits: Output[Dataset],
+        report: Output[Artifact],
+        data_metrics: Output[Artifact],
+        data_card: Output[Markdown],
     ):
-        return stage(["split"], ins=[raw.path], outs=[splits.path, report.path, data_metrics.path])
+        return stage(
+            ["split"], ins=[raw.path], outs=[splits.path, report.path, data_metrics.path, data_card.path]
+        )
 
     @dsl.container_component
     def train_tokenizer(splits: Input[Dataset], tokenizer: Output[Artifact]):
@@ -193,11 +202,12 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
         mlflow_tracking_uri: str,
         metrics: Output[Artifact],
         samples: Output[Markdown],
+        units: Output[Dataset],
     ):
         return stage(
             ["evaluate"],
             ins=[model.path, splits.path],
-            outs=[metrics.path, samples.path],
+            outs=[metrics.path, samples.path, units.path],
             mlflow=mlflow_tracking_uri,
         )
 
@@ -206,13 +216,16 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
         mlflow_tracking_uri: str,
         model: Input[Model],
         metrics: Input[Artifact],
+        units: Input[Dataset],
         splits: Input[Dataset],
+        raw: Input[Dataset],
         promotion: Output[Artifact],
+        promotion_metrics: Output[Artifact],
     ):
         return stage(
             ["promote"],
-            ins=[model.path, metrics.path, splits.path],
-            outs=[promotion.path],
+            ins=[model.path, metrics.path, units.path, splits.path, raw.path],
+            outs=[promotion.path, promotion_metrics.path],
             mlflow=mlflow_tracking_uri,
         )
 
@@ -245,7 +258,9 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
             mlflow_tracking_uri=mlflow_tracking_uri,
             model=trained.outputs["model"],
             metrics=scored.outputs["metrics"],
+            units=scored.outputs["units"],
             splits=splits,
+            raw=raw,
         )
         # The decision depends on the registry's current champion, not only on the inputs.
         promoted.set_caching_options(False)

@@ -192,7 +192,7 @@ def test_dag_runs_in_stage_order_and_shares_one_mlflow_server():
     assert tasks[loop]["parameterIterator"]["items"]["raw"] == "[0, 1, 2, 3]"
     assert tasks["merge-tokens"]["dependentTasks"] == [loop]
     assert {"merge-tokens", "train-tokenizer"} <= set(tasks["train"]["dependentTasks"])
-    assert set(tasks["promote"]["dependentTasks"]) == {"evaluate", "split", "train"}
+    assert set(tasks["promote"]["dependentTasks"]) == {"evaluate", "get-data", "split", "train"}
     assert tasks["promote"]["cachingOptions"] == {}  # caching off: the registry changes
     assert spec["root"]["inputDefinitions"]["parameters"]["mlflow_tracking_uri"]["parameterType"] == "STRING"
 

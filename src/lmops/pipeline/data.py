@@ -30,8 +30,10 @@ from tqdm import tqdm
 
 from lmops import atomic
 from lmops.errors import LmopsError
+from lmops.pipeline.model_card import data_card
 from lmops.pipeline.params import DataConfig, SplitConfig
 from lmops.pipeline.paths import (
+    DATA_CARD_FILE,
     DATA_METRICS,
     DATA_METRICS_FILE,
     DATA_REPORT_FILE,
@@ -363,8 +365,8 @@ def split(
     out_dir: Path = PROCESSED_DIR,
     report_path: Path = DATA_REPORT_FILE,
 ) -> dict:
-    """Write the three splits, the data report and its headline numbers (the DVC metrics,
-    beside the report); stop before writing anything
+    """Write the three splits, the data report, its headline numbers (the DVC metrics) and
+    its data card (beside the report); stop before writing anything
     when a split would be empty or too small to train on.
 
     Two reads of the corpus, one document at a time: the first takes each document's
@@ -425,6 +427,7 @@ def split(
     report = data_report(raw_dir, sizes, first, cfg, stats)
     atomic.write_json(report_path, report)
     atomic.write_json(report_path.with_name(DATA_METRICS_FILE.name), {k: report[k] for k in DATA_METRICS})
+    atomic.write_text(report_path.with_name(DATA_CARD_FILE.name), data_card(report))
     log.info(
         "split (%s): %s; %d duplicate(s) merged, %d of them dropped from a later split; %.1f MB/s",
         cfg.method,
@@ -480,5 +483,5 @@ def data_report(raw_dir: Path, sizes: np.ndarray, first: np.ndarray, cfg: SplitC
             zip(("min", "p10", "p50", "p90", "p99", "max"), (int(v) for v in q), strict=True)
         )
         | {"mean": round(float(sizes.mean()), 1)},
-        "split": {"method": cfg.method, **stats},
+        "split": {"method": cfg.method, "seed": cfg.seed, **stats},
     }

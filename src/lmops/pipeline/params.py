@@ -130,17 +130,43 @@ class TrainConfig(_Section):
 
 
 class EvaluateConfig(_Section):
-    max_batches: PositiveInt = 40
-    batch_size: PositiveInt = 16
+    # The test split is scored in units: blocks of whole lines of about unit_bytes, each on
+    # its own, so two models (whatever their tokenizers) are compared on identical text. All
+    # of them when there are at most max_units, else a seeded sample spread over the split.
+    unit_bytes: Annotated[int, Field(ge=64)] = 4096
+    max_units: PositiveInt | None = 2048
+    batch_size: PositiveInt = 16  # windows of max_seq_len tokens per forward
     prompts: list[str] = ["def ", "class ", "import "]
     max_new_tokens: PositiveInt = 64  # sampling itself: the model's generation_config.json
-    seed: int = 1337  # of the samples, so the stage's output is reproducible
+    seed: int = 1337  # of the unit sample and the samples: the stage's output is reproducible
+
+
+# The behavioural checks a candidate must pass (lmops.pipeline.checks), and user ones as
+# "module:function".
+BUILTIN_CHECKS = (
+    "greedy_deterministic",
+    "nonempty_finite",
+    "stop_sequences",
+    "eos_reachable",
+    "repetition",
+    "code_compiles",
+)
 
 
 class PromoteConfig(_Section):
     model_name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "lmops"
     alias: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_-]+$")] = "champion"
     export_dir: str = "production_service/model"
+    # The gate: promote only when the paired bootstrap interval (at `confidence`) of the
+    # candidate's bits/byte minus the champion's, on the same test units, lies below
+    # -min_improvement.
+    min_improvement: Annotated[float, Field(ge=0.0)] = 0.02
+    confidence: Annotated[float, Field(gt=0.5, lt=1.0)] = 0.95
+    bootstrap_samples: Annotated[int, Field(ge=100)] = 2000
+    seed: int = 1337  # of the bootstrap
+    checks: list[Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")]] = list(BUILTIN_CHECKS)
+    # Candidate vs champion on one fixed workload; null: recorded, never refused.
+    max_latency_ratio: Annotated[float, Field(gt=0.0)] | None = None
 
 
 class MlflowConfig(_Section):

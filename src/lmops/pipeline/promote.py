@@ -1,10 +1,14 @@
-"""Promotion: register every trained model; make it @champion only if it wins.
+"""Promotion: register every trained model; make it @champion only on evidence.
 
-"Wins" means a strictly lower test bits-per-byte than the current champion
-*measured on the same test split*: the champion's number is reused only when
-it was measured on a split with the same sha256, otherwise the champion is
-re-evaluated on the current split first. The winner is exported atomically
-to production_service/model; the decision goes to artifacts/promotion.json.
+The gate (gate.py) compares the candidate with the champion on the same test units
+(evaluate.py): the difference in bits/byte must be below -promote.min_improvement across
+its whole paired-bootstrap interval; every behavioural check (checks.py) must pass; with
+promote.max_latency_ratio set, the candidate must not be slower than that, both measured
+side by side on one workload (latency.py). The champion's unit results are reused when
+its run logged them for the same units; otherwise it is scored on them first (the data or
+the evaluation changed). The evidence goes to artifacts/promotion.json, its numbers to
+artifacts/promotion_metrics.json (DVC metrics), the model version's tags and the run's
+metrics. The winner is exported atomically to production_service/model.
 
 Recoverable: moving the alias and exporting are two steps, and a process can
 die between them, or inside the export. The export's lmops.json names the registry
@@ -22,10 +26,28 @@ from pathlib import Path
 
 from lmops import atomic, crash_points
 from lmops.errors import LmopsError
-from lmops.pipeline import tracking
-from lmops.pipeline.evaluate import evaluate_dir, read_test_split
+from lmops.pipeline import checks, gate, latency, tracking
+from lmops.pipeline.evaluate import (
+    UnitSelection,
+    fetch_units,
+    log_units,
+    read_units,
+    score_model_dir,
+    summarize,
+    unit_selection,
+    units_csv,
+)
+from lmops.pipeline.model_card import MODEL_CARD_FILE, mlflow_description, model_card, read_evidence
 from lmops.pipeline.params import Params, PromoteConfig
-from lmops.pipeline.paths import METRICS_FILE, MODEL_DIR, PROMOTION_FILE
+from lmops.pipeline.paths import (
+    MANIFEST_FILE,
+    METRICS_FILE,
+    MODEL_DIR,
+    PROMOTION_FILE,
+    PROMOTION_METRICS_FILE,
+    UNITS_FILE,
+)
+from lmops.runtime.engine import LLMEngine
 from lmops.runtime.model_dir import download, export, read_meta, require_meta, tidy
 
 log = logging.getLogger(__name__)
@@ -33,18 +55,84 @@ log = logging.getLogger(__name__)
 METRIC = "test_bits_per_byte"
 
 
-def champion_score(params: Params, champion, test_path: Path, test_sha: str) -> tuple[float, str]:
-    """The champion's bits/byte on this test split, and how we know it."""
-    tags = champion.tags or {}
-    if tags.get("test_split_sha256") == test_sha and METRIC in tags:
-        return float(tags[METRIC]), "measured on the same test split"
-    with tempfile.TemporaryDirectory(prefix="lmops-champion-") as tmp:
-        model_dir = download(f"models:/{champion.name}/{champion.version}", Path(tmp))
-        bpb = evaluate_dir(model_dir, test_path, params.evaluate, params.train.device)["bits_per_byte"]
-    client = tracking.client()
-    client.set_model_version_tag(champion.name, champion.version, METRIC, str(bpb))
-    client.set_model_version_tag(champion.name, champion.version, "test_split_sha256", test_sha)
-    return bpb, "re-evaluated on the current test split (the data changed)"
+def champion_units(
+    params: Params, champion, champion_dir: Path, selection: UnitSelection
+) -> tuple[list, str]:
+    """The champion's results on the candidate's test units, and how we know them."""
+    rows = fetch_units(champion.run_id, selection.key)
+    if rows is not None:
+        return rows, "measured on the same test units"
+    try:
+        rows = score_model_dir(champion_dir, selection, params.evaluate, params.train.device)
+    except LmopsError as exc:
+        raise LmopsError(f"the champion v{champion.version} cannot be scored: {exc}") from None
+    with tempfile.TemporaryDirectory(prefix="lmops-champion-units-") as tmp:
+        path = Path(tmp) / "units.csv"
+        path.write_text(units_csv(rows), encoding="utf-8")
+        log_units(champion.run_id, path, selection.key)
+    client = tracking.client()  # the number the export carries as its drift reference
+    client.set_model_version_tag(
+        champion.name, champion.version, METRIC, str(summarize(rows)["bits_per_byte"])
+    )
+    client.set_model_version_tag(champion.name, champion.version, "test_split_sha256", selection.split_sha256)
+    return rows, "scored on the current test units (the data or the evaluation changed)"
+
+
+def corpus_is_code(params: Params) -> bool:
+    """Whether code_compiles applies: the standard library, or mostly .py files."""
+    if params.data.source == "python-stdlib":
+        return True
+    files = json.loads(MANIFEST_FILE.read_text()).get("files", []) if MANIFEST_FILE.is_file() else []
+    return bool(files) and sum(str(f).endswith(".py") for f in files) * 2 >= len(files)
+
+
+def judge(
+    params: Params,
+    model_dir: Path,
+    champion,
+    champion_dir: Path | None,
+    selection: UnitSelection,
+    candidate_rows: list,
+) -> dict:
+    """The gate's evidence: the paired comparison (with a champion), every check's result,
+    the latency comparison; `passed` when all of them say promote."""
+    cfg = params.promote
+    checks.resolve(cfg.checks)  # a check that does not import stops before any work
+    engine_args = {"device": params.train.device, "compile": False}
+    candidate = LLMEngine.from_pretrained(model_dir, **engine_args)
+    incumbent = LLMEngine.from_pretrained(champion_dir, **engine_args) if champion_dir else None
+    evidence: dict = {"rule": gate.rule(cfg), "min_improvement": cfg.min_improvement}
+    reasons, passed = [], True
+    if champion_dir is not None:
+        rows, how = champion_units(params, champion, champion_dir, selection)
+        comparison = gate.paired_bootstrap(
+            candidate_rows, rows, cfg.bootstrap_samples, cfg.confidence, cfg.seed
+        )
+        ok, why = gate.better(comparison, cfg)
+        evidence.update(comparison.as_dict(), champion_version=int(champion.version))
+        reasons.append(f"{why} (champion v{champion.version} {how})")
+        passed &= ok
+    context = checks.CheckContext(
+        prompts=list(params.evaluate.prompts),
+        max_new_tokens=params.evaluate.max_new_tokens,
+        seed=params.evaluate.seed,
+        code=corpus_is_code(params),
+    )
+    results = checks.run_checks(cfg.checks, candidate, incumbent, context)
+    evidence["checks"] = [r.as_dict() for r in results]
+    failed = [r for r in results if not r.passed]
+    if failed:
+        passed = False
+        reasons.append("failed checks: " + "; ".join(f"{r.name} ({r.message})" for r in failed))
+    if incumbent is not None:
+        timing = latency.compare(candidate, incumbent)
+        ok, why = latency.check_ratio(timing, cfg.max_latency_ratio)
+        evidence["latency"] = timing
+        if not ok:
+            passed = False
+            reasons.append(why)
+    evidence.update(passed=passed, reason="; ".join(reasons) or "no champion yet")
+    return evidence
 
 
 def exported_version(export_dir: Path) -> tuple[str, str] | None:
@@ -89,21 +177,31 @@ def reconcile(cfg: PromoteConfig, model_dir: Path, just_promoted: bool = False) 
     with tempfile.TemporaryDirectory(prefix="lmops-export-") as tmp:
         if local is None or local.run_id != champion.run_id:
             model_dir = download(f"models:/{cfg.model_name}/{champion.version}", Path(tmp))
-        run_metrics = tracking.client().get_run(champion.run_id).data.metrics
+        client = tracking.client()
+        run = client.get_run(champion.run_id)
         metrics = {
             **(require_meta(model_dir).metrics),
-            **{k: v for k, v in run_metrics.items() if k.startswith("test_")},
+            **{k: v for k, v in run.data.metrics.items() if k.startswith("test_")},
         }
         if METRIC in tags:  # the number promotion compared: the service's drift reference
             metrics.update({METRIC: float(tags[METRIC]), "test_split_sha256": tags.get("test_split_sha256")})
-        export(
-            model_dir,
-            export_dir,
-            model_name=cfg.model_name,
-            model_version=int(champion.version),
-            run_id=champion.run_id,
-            metrics=metrics,
-        )
+        facts = {
+            "model_name": cfg.model_name,
+            "model_version": int(champion.version),
+            "run_id": champion.run_id,
+            "metrics": metrics,
+        }
+        # The card, from what the registry and the run hold (training logs the data report
+        # with the run), goes into the version before the flip and onto the registry version
+        # first: a promote killed in between exports again, and writes both again.
+        report = None
+        if any(f.path == "data_report.json" for f in client.list_artifacts(champion.run_id)):
+            path = client.download_artifacts(champion.run_id, "data_report.json", tmp)
+            report = json.loads(Path(path).read_text())
+        meta = require_meta(model_dir).model_copy(update=facts)
+        card = model_card(meta, run.data.params, read_evidence(tags), report)
+        client.update_model_version(cfg.model_name, champion.version, description=mlflow_description(card))
+        export(model_dir, export_dir, extra_files={MODEL_CARD_FILE: card}, **facts)
     log.info("%s now holds %s v%s (@%s)", export_dir, cfg.model_name, champion.version, cfg.alias)
 
 
@@ -124,16 +222,25 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
     run_id = meta.run_id
     if not run_id:
         raise LmopsError(f"{model_dir}/lmops.json has no run_id: the model was not trained with tracking")
-    test_path, test_sha = read_test_split()
-    if metrics.get("test_split_sha256") != test_sha:
+    selection = unit_selection(params.evaluate)
+    if metrics.get("test_split_sha256") != selection.split_sha256:
         raise LmopsError(f"{METRICS_FILE} was measured on another test split: run `lmops evaluate` again")
+    if metrics.get("test_units_key") != selection.key:
+        raise LmopsError(
+            f"{METRICS_FILE} was measured on other test units (evaluate's params): run `lmops evaluate` again"
+        )
+    candidate_rows = read_units(UNITS_FILE)
     score = float(metrics[METRIC])
 
     champion = tracking.champion_version(cfg.model_name, cfg.alias)
     version = tracking.register(
         cfg.model_name,
         run_id,
-        {METRIC: str(score), "test_split_sha256": test_sha, "data_sha256": str(meta.data_sha256)},
+        {
+            METRIC: str(score),
+            "test_split_sha256": selection.split_sha256,
+            "data_sha256": str(meta.data_sha256),
+        },
     )
     decision = {
         "model_name": cfg.model_name,
@@ -144,37 +251,34 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
         "champion_bits_per_byte": None,
     }
     is_champion = champion is not None and champion.version == version.version
-    if is_champion:  # e.g. a promotion killed after the alias moved, run again
-        champ_bpb = score
-    elif champion is not None:
-        champ_bpb, how = champion_score(params, champion, test_path, test_sha)
-    if champion is not None:
-        decision.update(champion_version=int(champion.version), champion_bits_per_byte=champ_bpb)
+    with tempfile.TemporaryDirectory(prefix="lmops-champion-") as tmp:
+        champion_dir = None
+        if champion is not None and not is_champion:
+            try:
+                champion_dir = download(f"models:/{champion.name}/{champion.version}", Path(tmp))
+            except LmopsError as exc:
+                raise LmopsError(f"the champion v{champion.version} cannot be downloaded: {exc}") from None
+        evidence = (
+            {} if is_champion else judge(params, model_dir, champion, champion_dir, selection, candidate_rows)
+        )
+    decision.update(
+        {k: evidence[k] for k in ("champion_version", "champion_bits_per_byte") if k in evidence},
+        evidence={k: v for k, v in evidence.items() if k not in ("passed", "reason")},
+    )
     if force:
-        promoted, reason = True, "forced with --force"
-    elif champion is None:
-        promoted, reason = True, "no champion yet"
-    elif is_champion:
-        promoted, reason = False, f"v{version.version} is already @{cfg.alias}"
-    elif score < champ_bpb:
         promoted, reason = (
             True,
-            f"{score:.4f} < champion v{champion.version} {champ_bpb:.4f} bits/byte ({how})",
+            "forced with --force" + (f" (the gate said: {evidence['reason']})" if evidence else ""),
         )
+    elif is_champion:  # e.g. a promotion killed after the alias moved, run again
+        promoted, reason = False, f"v{version.version} is already @{cfg.alias}"
     else:
-        promoted, reason = (
-            False,
-            f"{score:.4f} >= champion v{champion.version} {champ_bpb:.4f} bits/byte ({how})",
-        )
+        promoted, reason = evidence["passed"], evidence["reason"]
     decision.update(promoted=promoted, reason=reason, alias=cfg.alias)
     other_data = (
         champion is not None
         and not is_champion
-        and (champion.tags or {}).get("data_sha256")
-        not in (
-            None,
-            str(meta.data_sha256),
-        )
+        and (champion.tags or {}).get("data_sha256") not in (None, str(meta.data_sha256))
     )
     if promoted and other_data:
         # Champions are scoped by promote.model_name: a new corpus under the same name
@@ -189,13 +293,51 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
             str(meta.data_sha256)[:12],
         )
     decision["champion_trained_on_other_data"] = other_data
+    numbers = gate_metrics(decision)
 
     client = tracking.client()
     client.set_model_version_tag(cfg.model_name, version.version, "promotion", reason)
+    record = {**decision["evidence"], "promoted": promoted, "reason": reason}
+    client.set_model_version_tag(cfg.model_name, version.version, "promotion_evidence", evidence_tag(record))
+    tracking.log_metrics(run_id, {f"gate_{k}": v for k, v in numbers.items()})
     if promoted:
         client.set_registered_model_alias(cfg.model_name, cfg.alias, version.version)
         crash_points.reached("promote.alias_moved")
         reconcile(cfg, model_dir, just_promoted=True)
+    atomic.write_json(PROMOTION_METRICS_FILE, numbers)
     atomic.write_json(PROMOTION_FILE, decision)
     log.info("promotion: %s v%s: %s", "PROMOTED" if promoted else "kept champion", version.version, reason)
     return decision
+
+
+def gate_metrics(decision: dict) -> dict[str, float | int]:
+    """The decision's numbers, for `dvc metrics show` and the run's metrics."""
+    evidence = decision["evidence"]
+    numbers = {"promoted": int(decision["promoted"])}
+    if "interval" in evidence:
+        numbers.update(
+            delta_bits_per_byte=evidence["delta_bits_per_byte"],
+            interval_low=evidence["interval"][0],
+            interval_high=evidence["interval"][1],
+            units=evidence["units"],
+        )
+    if "checks" in evidence:
+        numbers["checks_failed"] = sum(not c["passed"] for c in evidence["checks"])
+    if "latency" in evidence:
+        numbers["latency_ratio"] = evidence["latency"]["ratio"]
+    return numbers
+
+
+TAG_LIMIT = 5000  # characters of a model version tag's value (MLflow's limit)
+
+
+def evidence_tag(record: dict) -> str:
+    """The evidence as one compact JSON tag; the checks' messages go first when it is too long."""
+    text = json.dumps(record, separators=(",", ":"), sort_keys=True)
+    if len(text) > TAG_LIMIT:
+        record = {
+            **record,
+            "checks": [{k: c[k] for k in ("name", "passed")} for c in record.get("checks", [])],
+        }
+        text = json.dumps(record, separators=(",", ":"), sort_keys=True)
+    return text[:TAG_LIMIT]

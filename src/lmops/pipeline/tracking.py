@@ -9,6 +9,7 @@ model directory.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -17,11 +18,13 @@ import subprocess
 import time
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlparse
 
 from lmops.errors import LmopsError
 from lmops.pipeline.params import MlflowConfig, Params
-from lmops.pipeline.paths import DATA_REPORT_FILE, THROUGHPUT_FILE, TOKENIZER_DIR, TOKENS_DIR
+from lmops.pipeline.paths import DATA_REPORT_FILE, PROCESSED_DIR, THROUGHPUT_FILE, TOKENIZER_DIR, TOKENS_DIR
+from lmops.pipeline.sources import STDLIB, stdlib_origin
 
 log = logging.getLogger(__name__)
 
@@ -198,11 +201,105 @@ def log_metrics(run_id: str, metrics: dict[str, float | None], step: int = 0) ->
 # two curves people look at first open the run's charts, side by side (the CSV logs keep
 # the column names train_loss and val_loss).
 CURVE_NAMES = {"train_loss": "loss/train", "val_loss": "loss/val"}
+SPLIT_CURVES = {"train": "loss/train", "val": "loss/val"}  # the split each curve is measured on
 
 
 def log_step(run_id: str, row: dict) -> None:
     metrics = {CURVE_NAMES.get(k, k): v for k, v in row.items() if k != "step"}
     log_metrics(run_id, metrics, step=int(row["step"]))
+
+
+# -- lineage: the splits as the run's dataset inputs, and the model's metrics on them ----
+
+# MLflow's context names (the `mlflow.data.context` input tag the UI shows beside a dataset).
+SPLIT_CONTEXTS = {"train": "training", "val": "validation", "test": "testing"}
+# MLflow stores at most 36 characters of a dataset digest (MAX_DATASET_DIGEST_SIZE); the
+# profile keeps the whole sha256.
+DIGEST_CHARS = 36
+
+
+def corpus_name(source: str) -> str:
+    """The datasets' name stem: the same for every version of a corpus, so the UI lists the
+    versions of `<corpus>-train` by digest (e.g. data/own/*.jsonl -> own)."""
+    if source == STDLIB:
+        return STDLIB
+    parts = [p for p in PurePosixPath(urlparse(source).path).parts if p != "/" and not set(p) & set("*?[")]
+    return (parts[-1].split(".")[0] if parts else "") or "corpus"
+
+
+def dataset_source(source: str):
+    """`data.source` as the MLflow source type that fits it (local, http, s3, gs); "code" where
+    no file names the data: the standard library lmops reads from the interpreter, and
+    schemes MLflow has no type for (az://)."""
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+    if source != STDLIB:
+        try:
+            with warnings.catch_warnings():
+                # "can be interpreted in multiple ways": two local-artifact resolvers, same answer
+                warnings.simplefilter("ignore", UserWarning)
+                return resolve_dataset_source(source)
+        except _mlflow().exceptions.MlflowException:
+            pass
+    return CodeDatasetSource({"data.source": stdlib_origin() if source == STDLIB else source})
+
+
+def log_splits(
+    run_id: str, source: str, splits_dir: Path = PROCESSED_DIR, report_path: Path = DATA_REPORT_FILE
+) -> None:
+    """Log the train/val/test files as the run's dataset inputs (digest: their sha256, hashed
+    streaming), so the run, and the model it logs, name the exact data. A resumed run logs
+    them again at no cost: MLflow keeps one input per run, dataset name and digest."""
+    mlflow = _mlflow()
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    stats = _json(report_path).get("split", {})
+    origin, name = dataset_source(source), corpus_name(source)
+    inputs = []
+    for split, context in SPLIT_CONTEXTS.items():
+        path = splits_dir / f"{split}.txt"
+        if not path.is_file():  # lineage is no reason to stop a training
+            log.warning("%s not found: the MLflow run names no %s dataset", path, context)
+            continue
+        with open(path, "rb") as f:
+            sha256 = hashlib.file_digest(f, "sha256").hexdigest()
+        meta = MetaDataset(origin, name=f"{name}-{split}", digest=sha256[:DIGEST_CHARS]).to_dict()
+        profile = {
+            "sha256": sha256,
+            "bytes": path.stat().st_size,
+            "documents": stats.get(split, {}).get("documents"),
+        }
+        dataset = mlflow.entities.Dataset(**meta, profile=json.dumps(profile))
+        tags = [mlflow.entities.InputTag(MLFLOW_DATASET_CONTEXT, context)]
+        inputs.append(mlflow.entities.DatasetInput(dataset, tags=tags))
+    client().log_inputs(run_id, datasets=inputs)
+
+
+def link_model_to_splits(run_id: str, step: int) -> None:
+    """Tie the run's logged model to the splits its losses were measured on: the run's loss
+    points at `step` (the exported weights') logged again with the model and the split's dataset.
+    Same key, step, value and timestamp, so the run's curves gain no point; the logged model's
+    page lists its "Datasets used" from these links (MLflow 3 keeps no other dataset-to-model
+    edge)."""
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    c = client()
+    datasets = {}  # by context
+    for i in c.get_run(run_id).inputs.dataset_inputs:
+        datasets[{t.key: t.value for t in i.tags}.get(MLFLOW_DATASET_CONTEXT)] = i.dataset
+    model_id = logged_model_uri(run_id).removeprefix("models:/")
+    Metric = _mlflow().entities.Metric
+    batch = []
+    for split, key in SPLIT_CURVES.items():
+        d = datasets.get(SPLIT_CONTEXTS[split])
+        if d is None:
+            continue
+        link = {"model_id": model_id, "dataset_name": d.name, "dataset_digest": d.digest}
+        points = [m for m in c.get_metric_history(run_id, key) if m.step == step]
+        batch += [Metric(m.key, m.value, m.timestamp, m.step, **link) for m in points]
+    c.log_batch(run_id, metrics=batch)
 
 
 def predict_signature(model_dir: Path):

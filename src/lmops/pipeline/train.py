@@ -471,8 +471,8 @@ def _loop(run: Run) -> None:
 
 
 def _start_tracking(run: Run) -> None:
-    """The MLflow run (a resumed training's own, tagged with the step it resumed at), its params
-    and the data report."""
+    """The MLflow run (a resumed training's own, tagged with the step it resumed at), its params,
+    the data report and the splits it trains on."""
     progress = run.progress
     mlrun = tracking.start_training_run(run.params, progress.run_id, run.manifest.get("sha256"))
     progress.run_id = mlrun.info.run_id
@@ -492,6 +492,7 @@ def _start_tracking(run: Run) -> None:
         },
     )
     tracking.log_data_report(progress.run_id)
+    tracking.log_splits(progress.run_id, run.params.data.source)
 
 
 @contextlib.contextmanager
@@ -619,6 +620,7 @@ def _finish(run: Run, out_dir: Path) -> ModelMeta:
             progress.run_id, {"stop_reason": stop_reason, "exported_step": str(exported.get("step"))}
         )
         tracking.log_model(progress.run_id, out_dir)
+        tracking.link_model_to_splits(progress.run_id, step=exported.get("step", progress.step))
         tracking.end_run(progress.run_id)
     log.info("model written to %s (run %s)", out_dir, progress.run_id)
     return meta

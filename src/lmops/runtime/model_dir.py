@@ -206,9 +206,11 @@ def write_model_dir(model: Llama, tokenizer_dir: Path, directory: Path, meta: Mo
         assert not missing, f"model directory incomplete: {missing}"
 
 
-def export(source: Path, target: Path, **facts) -> ModelMeta:
+def export(source: Path, target: Path, extra_files: dict[str, str] | None = None, **facts) -> ModelMeta:
     """Copy the model directory `source` into the export `target`, `facts` (registry name,
     version, metrics, ...) merged into its lmops.json; a plain HF directory gets one.
+    `extra_files` (name -> text: promotion's README.md model card) are written into the
+    version with the model's files, so they change with it in the one flip.
 
     `target` itself is never replaced, so a bind mount of it (docker-compose's) keeps
     seeing every export. The files go to a new hidden version directory inside it,
@@ -237,6 +239,8 @@ def export(source: Path, target: Path, **facts) -> ModelMeta:
     for src in current(source).iterdir():
         if src.is_file() and src.name != META_FILE:
             shutil.copyfile(src, staging / src.name)
+    for name, text in (extra_files or {}).items():
+        (staging / name).write_text(text, encoding="utf-8")
     if not merged.weights_sha256:
         merged = merged.model_copy(update={"weights_sha256": weights_digest(staging)})
     write_meta(staging, merged)
