@@ -241,12 +241,22 @@ def repetition(candidate: LLMEngine, champion: LLMEngine | None, ctx: CheckConte
     numbers = {"distinct_2": mine, "champion_distinct_2": theirs}
     if mine is None:
         return CheckResult("repetition", False, "no bigrams in the greedy completions", numbers)
+    return not_below_champion(
+        "repetition", "greedy distinct-2 {:.3f}", mine, theirs, DISTINCT2_TOLERANCE, numbers
+    )
+
+
+def not_below_champion(
+    name: str, what: str, mine: float, theirs: float | None, tolerance: float, numbers: dict
+) -> CheckResult:
+    """Passes when `mine` is at least the champion's less `tolerance`, or there is no
+    champion; `what` formats a value for the message."""
     if theirs is None:
-        return CheckResult("repetition", True, f"greedy distinct-2 {mine:.3f} (no champion)", numbers)
-    bar = theirs - DISTINCT2_TOLERANCE
+        return CheckResult(name, True, f"{what.format(mine)} (no champion)", numbers)
+    bar = theirs - tolerance
     numbers["required"] = bar
-    msg = f"greedy distinct-2 {mine:.3f}, required {bar:.3f} (champion {theirs:.3f} - {DISTINCT2_TOLERANCE})"
-    return CheckResult("repetition", mine >= bar, msg, numbers)
+    msg = f"{what.format(mine)}, required {what.format(bar)} (champion {what.format(theirs)} - {tolerance})"
+    return CheckResult(name, mine >= bar, msg, numbers)
 
 
 def compiles(source: str, complete: bool) -> bool:
@@ -281,12 +291,9 @@ def code_compiles(candidate: LLMEngine, champion: LLMEngine | None, ctx: CheckCo
     mine = compile_share(samples(candidate, ctx))
     theirs = None if champion is None else compile_share(samples(champion, ctx))
     numbers = {"applicable": True, "share": mine, "champion_share": theirs}
-    if theirs is None:
-        return CheckResult("code_compiles", True, f"{mine:.0%} of samples compile (no champion)", numbers)
-    bar = theirs - COMPILE_TOLERANCE
-    numbers["required"] = bar
-    msg = f"{mine:.0%} of samples compile, required {bar:.0%} (champion {theirs:.0%} - {COMPILE_TOLERANCE})"
-    return CheckResult("code_compiles", mine >= bar, msg, numbers)
+    return not_below_champion(
+        "code_compiles", "{:.0%} of samples compile", mine, theirs, COMPILE_TOLERANCE, numbers
+    )
 
 
 BUILTINS: dict[str, Check] = {

@@ -55,10 +55,12 @@ def _prompts(engine: LLMEngine, tag: str) -> list[list[int]]:
 class _Samples:
     """One model's measurements, over its rounds."""
 
+    # Seconds from each request's arrival to its first token.
     ttfts: list[float] = field(default_factory=list)
+    # Seconds between consecutive tokens of a request.
     gaps: list[float] = field(default_factory=list)
-    tokens: int = 0
-    seconds: float = 0.0
+    tokens: int = 0  # generated, over all rounds
+    seconds: float = 0.0  # wall time of all rounds
 
     def stats(self) -> dict[str, float]:
         return {
