@@ -301,6 +301,9 @@ def test_a_promotion_killed_after_the_alias_moved_is_recovered(project):
     assert f"holds lmops v{held}, not @champion v{champion.version}: re-exporting" in out.stderr
     promotion = json.loads((project / "artifacts/promotion.json").read_text())
     assert not promotion["promoted"] and promotion["reason"] == f"v{champion.version} is already @champion"
+    # the rerun keeps the evidence that made it champion (the card renders it)
+    tags = registry(project).get_model_version("lmops", champion.version).tags
+    assert json.loads(tags["promotion_evidence"])["promoted"] is True
     meta = served_meta(project)
     assert meta["model_version"] == int(champion.version) and meta["run_id"] == champion.run_id
     # The promoted model's test bits/byte (the drift reference) travels with it.

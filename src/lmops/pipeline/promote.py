@@ -296,10 +296,13 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
     numbers = gate_metrics(decision)
 
     client = tracking.client()
-    client.set_model_version_tag(cfg.model_name, version.version, "promotion", reason)
-    record = {**decision["evidence"], "promoted": promoted, "reason": reason}
-    client.set_model_version_tag(cfg.model_name, version.version, "promotion_evidence", evidence_tag(record))
-    tracking.log_metrics(run_id, {f"gate_{k}": v for k, v in numbers.items()})
+    if promoted or not is_champion:  # a rerun on the champion keeps the evidence that made it one
+        client.set_model_version_tag(cfg.model_name, version.version, "promotion", reason)
+        record = {**decision["evidence"], "promoted": promoted, "reason": reason}
+        client.set_model_version_tag(
+            cfg.model_name, version.version, "promotion_evidence", evidence_tag(record)
+        )
+        tracking.log_metrics(run_id, {f"gate_{k}": v for k, v in numbers.items()})
     if promoted:
         client.set_registered_model_alias(cfg.model_name, cfg.alias, version.version)
         crash_points.reached("promote.alias_moved")
