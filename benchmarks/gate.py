@@ -36,6 +36,16 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
 
+def cpu() -> dict:
+    """The CPU's model and the vector flags that decide the kernels (speeds differ by them)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next(
+        (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None
+    )
+    flags = sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in info})
+    return {"cpu_model": model, "cpu_flags": flags}
+
+
 def lmops(work: Path, *args: str) -> None:
     subprocess.run([str(Path(sys.executable).parent / "lmops"), *args], cwd=work, check=True)
 
@@ -124,7 +134,7 @@ def main() -> int:
         "args": vars(args),
         "rule": gate.rule(cfg),
         "rows": rows,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), **env_note},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), **cpu(), **env_note},
     }
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out.relative_to(REPO)}")
