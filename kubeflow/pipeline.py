@@ -65,6 +65,7 @@ ARTIFACT_PATHS = {
     "units": paths.UNITS_FILE.parent,
     "promotion": paths.PROMOTION_FILE,
     "promotion_metrics": paths.PROMOTION_METRICS_FILE,
+    "promotion_slices": paths.PROMOTION_SLICES_FILE,
 }
 
 # The TrainJob the train step runs, as the pipeline image carries it (the Dockerfile copies
@@ -221,11 +222,12 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
         raw: Input[Dataset],
         promotion: Output[Artifact],
         promotion_metrics: Output[Artifact],
+        promotion_slices: Output[Artifact],
     ):
         return stage(
             ["promote"],
             ins=[model.path, metrics.path, units.path, splits.path, raw.path],
-            outs=[promotion.path, promotion_metrics.path],
+            outs=[promotion.path, promotion_metrics.path, promotion_slices.path],
             mlflow=mlflow_tracking_uri,
         )
 

@@ -96,12 +96,19 @@ def test_repro_produces_every_output(project):
 
 def test_the_plots_page_draws_the_measured_curves_offline(project, tmp_path):
     """`dvc plots show`'s page (written by the test above) in a browser without internet:
-    the four titled plots drawn, validation a line through its measured points only. The
+    the five titled plots drawn, validation a line through its measured points only. The
     same page from DVC's own template (Vega from a CDN) draws nothing: the check can fail."""
     page = project / "plots-html/index.html"
     dom = render(page.as_uri(), REPORTS / "plots.png", height=1100)
     text = visible_text(dom)
-    for title in ("Loss (validation", "Learning rate", "Training throughput", "Model FLOPs utilization"):
+    titles = (
+        "Loss (validation",
+        "Learning rate",
+        "Training throughput",
+        "Model FLOPs utilization",
+        "per slice",
+    )
+    for title in titles:
         assert title in text, text[:2000]
     line = r'<path aria-label="[^"]*val_log\.csv::val_loss"[^>]*aria-roledescription="line mark"[^>]* d="([^"]+)"'
     val_line = re.search(line, dom)

@@ -26,12 +26,17 @@ from tests.unit.data_reference import reference_split
 SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def write_corpus(raw: Path, docs: list[str]) -> None:
-    """What get_data writes, for split tests that choose their own documents."""
+def write_corpus(raw: Path, docs: list[str], slices: list[str] | None = None) -> None:
+    """What get_data writes, for split tests that choose their own documents (and their
+    slices: all in one by default)."""
     raw.mkdir(parents=True, exist_ok=True)
     encoded = [d.encode() for d in docs]
     (raw / "corpus.txt").write_bytes(b"".join(encoded))
     (raw / "doc_offsets.bin").write_bytes(np.cumsum([len(e) for e in encoded]).astype("<u8").tobytes())
+    slices = slices or [""] * len(docs)
+    names = list(dict.fromkeys(slices))
+    (raw / "doc_slices.bin").write_bytes(np.array([names.index(s) for s in slices], dtype="<u2").tobytes())
+    (raw / "slices.json").write_text(json.dumps({"slice_by": None, "slices": names}))
 
 
 def split_texts(out: Path) -> dict[str, str]:
@@ -117,7 +122,7 @@ def test_rows_can_be_cut_into_paragraphs(tmp_path):
 
 def cap_documents(docs: list[str], max_bytes: int | None) -> tuple[list[str], bool]:
     cap = Cap(max_bytes)
-    return [d.decode() for d in cap.apply(docs)], cap.cut
+    return [d.decode() for d, _ in cap.apply((d, None) for d in docs)], cap.cut
 
 
 def test_cap_ends_at_a_document_boundary():

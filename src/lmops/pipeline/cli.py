@@ -25,7 +25,7 @@ def _run_stage(name: str, args: argparse.Namespace) -> None:
     if name == "get_data":
         from lmops.pipeline.data import get_data
 
-        get_data(params.data)
+        get_data(params.data, slice_by=params.promote.slice_by)
     elif name == "split":
         from lmops.pipeline.data import split
 

@@ -19,11 +19,13 @@ import hashlib
 import itertools
 import json
 import logging
+import posixpath
 import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from tqdm import tqdm
@@ -39,13 +41,19 @@ from lmops.pipeline.paths import (
     DATA_REPORT_FILE,
     PROCESSED_DIR,
     RAW_DIR,
+    TEST_SLICES_FILE,
     THROUGHPUT_FILE,
 )
-from lmops.pipeline.sources import STDLIB, SourceFile, list_files, read_file, stdlib_origin
+from lmops.pipeline.sources import STDLIB, SourceFile, list_files, plain_name, read_file, stdlib_origin
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
+# Each document's slice (a uint16 per document, beside doc_offsets.bin) and the slices'
+# names: files of their own, not the manifest's, so that slicing differently retrains nothing.
+DOC_SLICES, SLICES = "doc_slices.bin", "slices.json"
+MAX_SLICES = 1000  # more are too small to compare, and a field with more is an id, not a slice
+T = TypeVar("T")
 READ_BYTES = 4 << 20  # the corpus is read, and outputs written, in pieces of about this size
 WRITE_BYTES = 4 << 20
 _LINE_RE = re.compile(r"[^\n]*\n|[^\n]+$")
@@ -106,17 +114,24 @@ def resolve_unit(cfg: DataConfig, file: SourceFile, n_files: int) -> str:
         return "row"
     if n_files > 1:
         return "file"
-    return "paragraph" if any(not line.strip() for line in _block_lines(next(file.texts()))) else "chunk"
+    first_text, _ = next(file.texts())
+    return "paragraph" if any(not line.strip() for line in _block_lines(first_text)) else "chunk"
 
 
-def file_documents(file: SourceFile, unit: str, chunk_bytes: int) -> Iterator[str]:
-    """The documents of one file, as it is read. Whole files and rows end with a blank
-    line, so the model sees where one ends; pieces of a text keep its bytes, ending in '\n'."""
+def file_documents(file: SourceFile, unit: str, chunk_bytes: int) -> Iterator[tuple[str, str | None]]:
+    """The documents of one file, as it is read, each with its row's slice value (see
+    SourceFile.texts). Whole files and rows end with a blank line, so the model sees where
+    one ends; pieces of a text keep its bytes, ending in '\n'."""
+    if unit == "file" and file.slice_field is not None:
+        raise LmopsError(
+            f"promote.slice_by: field:{file.slice_field} slices rows, but data.document_unit is file "
+            f"(a document of {file.name} holds many rows): use document_unit row"
+        )
     if unit in ("file", "row"):
-        closed = ("".join(blocks).rstrip() + "\n\n" for blocks in file.texts())
-        yield from closed if unit == "row" else ["".join(closed)]
+        closed = (("".join(blocks).rstrip() + "\n\n", value) for blocks, value in file.texts())
+        yield from closed if unit == "row" else [("".join(doc for doc, _ in closed), None)]
         return
-    for blocks in file.texts():
+    for blocks, value in file.texts():
         lines = _block_lines(blocks)
         if unit == "paragraph":
             pieces = _paragraphs(lines)
@@ -125,7 +140,7 @@ def file_documents(file: SourceFile, unit: str, chunk_bytes: int) -> Iterator[st
         else:
             pieces = _chunks(lines, chunk_bytes)
         for piece in pieces:
-            yield piece if piece.endswith("\n") else piece + "\n"
+            yield (piece if piece.endswith("\n") else piece + "\n"), value
 
 
 @dataclass
@@ -141,42 +156,78 @@ class Cap:
     max_bytes: int | None
     cut: bool = False
 
-    def apply(self, docs: Iterable[str]) -> Iterator[bytes]:
-        """The documents kept, UTF-8 encoded."""
+    def apply(self, docs: Iterable[tuple[str, T]]) -> Iterator[tuple[bytes, T]]:
+        """The documents kept, UTF-8 encoded, each with what came with it (its slice)."""
         total = 0
-        for doc in docs:
+        for doc, tag in docs:
             data = doc.encode("utf-8")
             if self.max_bytes is None or total + len(data) <= self.max_bytes:
                 total += len(data)
-                yield data
+                yield data, tag
                 continue
             if len(data) > self.max_bytes:
                 head = data[: self.max_bytes - total]
                 piece = head[: head.rfind(b"\n") + 1 or len(head)].decode("utf-8", errors="ignore")
                 if piece.strip():
-                    yield piece.encode("utf-8")
+                    yield piece.encode("utf-8"), tag
             self.cut = True
             return
 
 
-def get_data(cfg: DataConfig, out_dir: Path = RAW_DIR) -> dict:
+class Slices:
+    """Each document's slice of the corpus (promote.slice_by) as a small number, the slices'
+    names in the order first seen: what promotion compares the test split by. With no
+    slice_by, every document is in the one slice ""."""
+
+    def __init__(self, slice_by: str | None):
+        self.by = slice_by
+        self.field = slice_by.removeprefix("field:") if slice_by and slice_by.startswith("field:") else None
+        self.codes: dict[str, int] = {}
+
+    def code(self, name: str, value: str | None) -> int:
+        """The slice of a document of file `name` (`value`: its row's field)."""
+        if self.by is None:
+            label = ""
+        elif self.by == "path":
+            label = name
+        elif self.by == "directory":
+            label = posixpath.dirname(name) or "."
+        elif self.by == "extension":
+            label = posixpath.splitext(plain_name(name))[1] or "(none)"
+        else:
+            label = str(value)
+        code = self.codes.setdefault(label, len(self.codes))
+        if len(self.codes) > MAX_SLICES:
+            raise LmopsError(
+                f"promote.slice_by: {self.by} cuts the corpus into more than {MAX_SLICES} slices "
+                f"({label!r} of {name} is one more): slice by a coarser key, or null for none"
+            )
+        return code
+
+    def as_dict(self) -> dict:
+        return {"slice_by": self.by, "slices": list(self.codes)}
+
+
+def get_data(cfg: DataConfig, out_dir: Path = RAW_DIR, slice_by: str | None = None) -> dict:
     """Read the source, cut it into documents and write them as they come: corpus.txt,
-    doc_offsets.bin, manifest.json. Nothing is held but one file's current block (or one
+    doc_offsets.bin, manifest.json, and each document's slice (`slice_by`, see `Slices`):
+    doc_slices.bin and slices.json. Nothing is held but one file's current block (or one
     document, or one CSV/Parquet file); a failure leaves no output, not even `out_dir`."""
     files = list_files(cfg.source)
     origin = stdlib_origin() if cfg.source == STDLIB else cfg.source
     read, formats, units, counts = [], set(), set(), {"empty": 0, "replaced": 0}
+    slices = Slices(slice_by)
 
-    def documents() -> Iterator[str]:
+    def documents() -> Iterator[tuple[str, int]]:
         for name, load in files:
-            file = read_file(name, load, cfg)
+            file = read_file(name, load, cfg, slices.field)
             unit = resolve_unit(cfg, file, len(files))
             read.append(name)
             formats.add(file.format)
             units.add(unit)
-            for doc in file_documents(file, unit, cfg.chunk_bytes):
+            for doc, value in file_documents(file, unit, cfg.chunk_bytes):
                 if doc.strip():
-                    yield doc
+                    yield doc, slices.code(name, value)
                 else:
                     counts["empty"] += 1
             counts["replaced"] += file.replaced
@@ -187,7 +238,7 @@ def get_data(cfg: DataConfig, out_dir: Path = RAW_DIR) -> dict:
     first = next(docs, None)  # the source opens (or fails) before anything is written
     if first is None:
         raise LmopsError(f"{origin}: corpus is empty (no document has any text)")
-    for name in ("corpus.txt", "doc_offsets.bin", "manifest.json"):
+    for name in ("corpus.txt", "doc_offsets.bin", "manifest.json", DOC_SLICES, SLICES):
         atomic.remove_stale(out_dir / name)
     created = not out_dir.exists()
     digest, n_docs, n_bytes = hashlib.sha256(), 0, 0
@@ -195,23 +246,26 @@ def get_data(cfg: DataConfig, out_dir: Path = RAW_DIR) -> dict:
         with (
             atomic.writer(out_dir / "corpus.txt") as corpus,
             atomic.writer(out_dir / "doc_offsets.bin") as offsets,
+            atomic.writer(out_dir / DOC_SLICES) as doc_slices,
             progress("get_data") as bar,
         ):
-            pending, ends, written = [], [], 0
+            pending, ends, codes, written = [], [], [], 0
 
             def flush() -> None:
                 data = b"".join(pending)
                 digest.update(data)
                 corpus.write(data)
                 offsets.write(np.array(ends, dtype="<u8").tobytes())
+                doc_slices.write(np.array(codes, dtype="<u2").tobytes())
                 bar.update(len(data))
-                pending.clear()
-                ends.clear()
+                for buffer in (pending, ends, codes):
+                    buffer.clear()
 
-            for doc in itertools.chain([first], docs):
+            for doc, code in itertools.chain([first], docs):
                 n_docs, n_bytes = n_docs + 1, n_bytes + len(doc)
                 pending.append(doc)
                 ends.append(n_bytes)
+                codes.append(code)
                 if n_bytes - written >= WRITE_BYTES:
                     flush()
                     written = n_bytes
@@ -240,6 +294,7 @@ def get_data(cfg: DataConfig, out_dir: Path = RAW_DIR) -> dict:
         "max_bytes": cfg.max_bytes,
         "capped": cap.cut,
     }
+    atomic.write_json(out_dir / SLICES, slices.as_dict())
     atomic.write_json(out_dir / "manifest.json", manifest)
     log.info(
         "corpus: %d %s documents from %d file(s), %d bytes, sha256 %s, %.1f MB/s",
@@ -294,6 +349,46 @@ def read_documents(raw_dir: Path = RAW_DIR) -> Iterator[str]:
             yield doc.decode("utf-8")
         except UnicodeDecodeError:
             raise LmopsError(f"{corpus_path} is damaged (not UTF-8): run `lmops get_data` again") from None
+
+
+def doc_slices(raw_dir: Path, n_docs: int) -> dict:
+    """get_data's slices: slice_by, the slices' names and each document's slice ("codes")."""
+    path = raw_dir / DOC_SLICES
+    try:
+        slices = json.loads((raw_dir / SLICES).read_text())
+        codes = np.fromfile(path, dtype="<u2")
+    except (OSError, ValueError):
+        raise LmopsError(
+            f"{raw_dir / SLICES} or {path.name} is missing or damaged: run `lmops get_data` again"
+        ) from None
+    if len(codes) != n_docs or (n_docs and int(codes.max()) >= len(slices.get("slices", []))):
+        raise LmopsError(f"{path} does not match {raw_dir / 'doc_offsets.bin'}: run `lmops get_data` again")
+    return {**slices, "codes": codes}
+
+
+class SliceRuns:
+    """A split's text as runs of documents of one slice: (end offset in bytes, slice) each,
+    what evaluate cuts its units at. As many runs as the slice changes, at most one a document."""
+
+    def __init__(self) -> None:
+        self.ends: list[int] = []
+        self.codes: list[int] = []
+        self.size = 0
+
+    def add(self, n_bytes: int, code: int) -> None:
+        self.size += n_bytes
+        if self.codes and self.codes[-1] == code:
+            self.ends[-1] = self.size
+        else:
+            self.ends.append(self.size)
+            self.codes.append(code)
+
+    def as_dict(self, slice_by: str | None, names: list[str]) -> dict:
+        return {
+            "slice_by": slice_by,
+            "slices": names,
+            "runs": [list(r) for r in zip(self.ends, self.codes, strict=True)],
+        }
 
 
 def doc_key(doc: str) -> bytes:
@@ -375,6 +470,7 @@ def split(
     """
     started = time.perf_counter()
     ends = doc_offsets(raw_dir)
+    slices = doc_slices(raw_dir, len(ends))
     sizes = np.diff(ends, prepend=0)
     # Byte-level BPE tokens cover at least one byte each, and training (and
     # evaluating) reads windows of max_seq_len + 1 tokens plus one more.
@@ -407,13 +503,18 @@ def split(
         del parts
         for name in SPLITS:
             atomic.remove_stale(out_dir / f"{name}.txt")
+        atomic.remove_stale(out_dir / TEST_SLICES_FILE.name)
+        test_runs = SliceRuns()
         with contextlib.ExitStack() as stack:
             outs = [stack.enter_context(atomic.writer(out_dir / f"{name}.txt")) for name in SPLITS]
             pending: list[list[bytes]] = [[], [], []]
             size = 0
-            for code, doc in zip(where.tolist(), raw_documents(raw_dir, ends), strict=True):
+            rows = zip(where.tolist(), slices["codes"].tolist(), raw_documents(raw_dir, ends), strict=True)
+            for code, slice_code, doc in rows:
                 if code >= 0:
                     pending[code].append(doc)
+                if code == SPLITS.index("test"):
+                    test_runs.add(len(doc), slice_code)
                 size += len(doc)
                 if size >= WRITE_BYTES:
                     for out, docs in zip(outs, pending, strict=True):
@@ -423,6 +524,9 @@ def split(
                     size = 0
             for out, docs in zip(outs, pending, strict=True):
                 out.write(b"".join(docs))
+    atomic.write_json(
+        out_dir / TEST_SLICES_FILE.name, test_runs.as_dict(slices["slice_by"], slices["slices"])
+    )
     seconds = time.perf_counter() - started
     report = data_report(raw_dir, sizes, first, cfg, stats)
     atomic.write_json(report_path, report)

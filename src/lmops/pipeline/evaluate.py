@@ -7,8 +7,10 @@ UTF-8 bytes of the predicted tokens. The split is cut into units (blocks of whol
 so any two models (a champion trained on other data included) are measured on identical
 text; all units when they fit `evaluate.max_units`, else a seeded sample with one unit
 from each of max_units equal stretches of the split (every part of it, every document
-in proportion). The per-unit results (artifacts/eval/units.csv) are what promotion's
-paired comparison reads. Memory holds one batch of units, whatever the split's size.
+in proportion). A unit never spans two slices of the split (promote.slice_by: split's
+test_slices.json), so each slice's numbers are its units'. The per-unit results
+(artifacts/eval/units.csv) are what promotion's paired comparison reads. Memory holds one
+batch of units, whatever the split's size.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import json
 import logging
 import math
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +35,14 @@ from lmops import atomic
 from lmops.errors import LmopsError
 from lmops.pipeline import tracking
 from lmops.pipeline.params import EvaluateConfig, Params
-from lmops.pipeline.paths import METRICS_FILE, MODEL_DIR, PROCESSED_DIR, SAMPLES_FILE, UNITS_FILE
+from lmops.pipeline.paths import (
+    METRICS_FILE,
+    MODEL_DIR,
+    PROCESSED_DIR,
+    SAMPLES_FILE,
+    TEST_SLICES_FILE,
+    UNITS_FILE,
+)
 from lmops.pipeline.tokenize_stage import split_path
 from lmops.runtime.engine import LLMEngine, SamplingParams
 from lmops.runtime.model import Llama, resolve_device
@@ -42,7 +52,9 @@ from lmops.runtime.tokenizer import load_tokenizer, token_byte_lengths
 log = logging.getLogger(__name__)
 
 UNITS_PER_BATCH = 64  # units encoded and held at once
-UNIT_COLUMNS = ("unit", "offset", "tokens", "bytes", "nll_bits")
+UNIT_COLUMNS = ("unit", "offset", "tokens", "bytes", "nll_bits", "slice")
+
+Run = tuple[int, str]  # a stretch of the split in one slice: (its end offset in bytes, the slice)
 
 
 @dataclass(frozen=True)
@@ -50,22 +62,28 @@ class Unit:
     index: int  # among all of the split's units
     offset: int  # in bytes, into the split
     text: str
+    slice: str = ""
 
 
-def split_units(path: Path, unit_bytes: int) -> Iterator[Unit]:
-    """The split's text as blocks of whole lines of at least `unit_bytes` bytes (the last
-    may be shorter); a line longer than 4 x unit_bytes characters is cut, so one unit's
-    memory stays bounded whatever the file."""
+def split_units(path: Path, unit_bytes: int, runs: Sequence[Run] = ()) -> Iterator[Unit]:
+    """The split's text as blocks of whole lines of at least `unit_bytes` bytes, each cut
+    short where a run of `runs` ends (the last may be shorter too); a line longer than 4 x
+    unit_bytes characters is cut, so one unit's memory stays bounded whatever the file."""
     index, offset, lines, size = 0, 0, [], 0
+    ends = iter(runs)
+    run_end, name = next(ends, (None, ""))
     with open(path, encoding="utf-8", newline="") as fh:
         while line := fh.readline(4 * unit_bytes):
             lines.append(line)
             size += len(line.encode("utf-8"))
-            if size >= unit_bytes:
-                yield Unit(index, offset, "".join(lines))
+            at_run_end = offset + size == run_end
+            if size >= unit_bytes or at_run_end:
+                yield Unit(index, offset, "".join(lines), name)
                 index, offset, lines, size = index + 1, offset + size, [], 0
+            if at_run_end:
+                run_end, name = next(ends, (None, name))
     if lines:
-        yield Unit(index, offset, "".join(lines))
+        yield Unit(index, offset, "".join(lines), name)
 
 
 def select_units(total: int, max_units: int | None, seed: int) -> np.ndarray:
@@ -85,25 +103,43 @@ class UnitSelection:
     path: Path
     split_sha256: str
     unit_bytes: int
+    slice_by: str | None
+    runs: tuple[Run, ...]
     indices: np.ndarray
     total: int
 
     @property
     def key(self) -> str:
-        text = f"{self.split_sha256}:{self.unit_bytes}:{','.join(map(str, self.indices.tolist()))}"
+        runs = hashlib.sha256(json.dumps([self.slice_by, self.runs]).encode()).hexdigest()
+        text = f"{self.split_sha256}:{self.unit_bytes}:{runs}:{','.join(map(str, self.indices.tolist()))}"
         return hashlib.sha256(text.encode()).hexdigest()
 
     def units(self) -> Iterator[Unit]:
         wanted = set(self.indices.tolist())
-        return (u for u in split_units(self.path, self.unit_bytes) if u.index in wanted)
+        return (u for u in split_units(self.path, self.unit_bytes, self.runs) if u.index in wanted)
+
+
+def read_test_slices(path: Path, split_size: int) -> tuple[str | None, tuple[Run, ...]]:
+    """slice_by and the test split's runs, as split wrote them for this split."""
+    slices_path = path.with_name(TEST_SLICES_FILE.name)
+    try:
+        found = json.loads(slices_path.read_text())
+        runs = tuple((int(end), str(found["slices"][code])) for end, code in found["runs"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        raise LmopsError(f"{slices_path} is missing or damaged: run `lmops split` again") from None
+    if not runs or runs[-1][0] != split_size:
+        raise LmopsError(f"{slices_path} does not match {path}: run `lmops split` again")
+    return found.get("slice_by"), runs
 
 
 def unit_selection(cfg: EvaluateConfig, data_dir: Path = PROCESSED_DIR) -> UnitSelection:
     path, sha = read_test_split(data_dir)
-    total = sum(1 for _ in split_units(path, cfg.unit_bytes))
+    slice_by, runs = read_test_slices(path, path.stat().st_size)
+    total = sum(1 for _ in split_units(path, cfg.unit_bytes, runs))
     if total == 0:
         raise LmopsError(f"{path} is empty: nothing to evaluate")
-    return UnitSelection(path, sha, cfg.unit_bytes, select_units(total, cfg.max_units, cfg.seed), total)
+    indices = select_units(total, cfg.max_units, cfg.seed)
+    return UnitSelection(path, sha, cfg.unit_bytes, slice_by, runs, indices, total)
 
 
 @torch.no_grad()
@@ -143,7 +179,14 @@ def score_units(model: Llama, tokenizer, units: Iterable[Unit], batch_size: int)
                 tokens[row] += len(w) - 1
                 n_bytes[row] += int(byte_len[w[1:]].sum())
         rows += [
-            {"unit": u.index, "offset": u.offset, "tokens": int(t), "bytes": int(b), "nll_bits": float(n)}
+            {
+                "unit": u.index,
+                "offset": u.offset,
+                "tokens": int(t),
+                "bytes": int(b),
+                "nll_bits": float(n),
+                "slice": u.slice,
+            }
             for u, t, b, n in zip(group, tokens, n_bytes, nll, strict=True)
         ]
     return rows
@@ -205,6 +248,7 @@ def read_units(path: Path) -> list[dict]:
                     "tokens": int(r["tokens"]),
                     "bytes": int(r["bytes"]),
                     "nll_bits": float(r["nll_bits"]),
+                    "slice": r["slice"],
                 }
                 for r in reader
             ]

@@ -86,3 +86,71 @@ def better(comparison: Comparison, cfg: PromoteConfig) -> tuple[bool, str]:
     if high < -cfg.min_improvement:
         return True, f"{numbers}, below -{cfg.min_improvement:g}"
     return False, f"{numbers}, not all below -{cfg.min_improvement:g}"
+
+
+@dataclass(frozen=True)
+class SliceComparison:
+    slice: str
+    comparison: Comparison | None  # None: the slice has no champion to compare with
+    candidate_bits_per_byte: float
+    units: int
+    judged: bool  # enough units for the slice rule
+    regressed: bool  # judged, and worse beyond promote.max_slice_regression
+
+    def as_dict(self) -> dict:
+        found = {k: v for k, v in asdict(self).items() if k != "comparison"}
+        if self.comparison is not None:
+            c = self.comparison
+            found.update(
+                champion_bits_per_byte=c.champion_bits_per_byte,
+                delta_bits_per_byte=c.delta_bits_per_byte,
+                interval=list(c.interval),
+            )
+        return found
+
+
+def compare_slices(
+    candidate: list[dict], champion: list[dict] | None, cfg: PromoteConfig
+) -> list[SliceComparison]:
+    """Each slice of the test units on its own (the units carry their slice), worst first:
+    the paired interval of the slice's difference, and whether it is confidently worse than
+    the champion's by more than promote.max_slice_regression. A slice of fewer than
+    promote.min_slice_units units is reported, not judged: its interval says too little."""
+    by_slice: dict[str, list[dict]] = {}
+    for row in candidate:
+        by_slice.setdefault(row["slice"], []).append(row)
+    champion_by_unit = {r["unit"]: r for r in champion or []}
+    found = []
+    for name, rows in by_slice.items():
+        bits = sum(r["nll_bits"] for r in rows) / max(sum(r["bytes"] for r in rows), 1)
+        comparison = None
+        if champion is not None:
+            theirs = [champion_by_unit[r["unit"]] for r in rows if r["unit"] in champion_by_unit]
+            comparison = paired_bootstrap(rows, theirs, cfg.bootstrap_samples, cfg.confidence, cfg.seed)
+        judged = comparison is not None and len(rows) >= cfg.min_slice_units
+        regressed = judged and comparison.interval[0] > cfg.max_slice_regression
+        found.append(SliceComparison(name, comparison, float(bits), len(rows), judged, regressed))
+    return sorted(found, key=_worst_first)
+
+
+def _worst_first(s: SliceComparison) -> tuple:
+    """Regressed slices, then judged ones, each by their interval's low end, highest first."""
+    low = s.comparison.interval[0] if s.comparison else float("-inf")
+    return (not s.regressed, not s.judged, -low, s.slice)
+
+
+def slices_hold(slices: list[SliceComparison], cfg: PromoteConfig) -> tuple[bool, str]:
+    """(whether no slice regressed, a one-line reason naming the worst slice)."""
+    judged = [s for s in slices if s.judged]
+    if not judged:
+        return True, f"no slice has {cfg.min_slice_units} units to judge"
+    worst = judged[0]
+    low, high = worst.comparison.interval
+    numbers = (
+        f"{worst.slice!r} {worst.comparison.delta_bits_per_byte:+.4f} bits/byte, "
+        f"[{low:+.4f}, {high:+.4f}] over {worst.units} units"
+    )
+    if worst.regressed:
+        count = sum(s.regressed for s in slices)
+        return False, (f"{count} slice(s) worse beyond +{cfg.max_slice_regression:g}, the worst {numbers}")
+    return True, f"worst slice {numbers}, not all above +{cfg.max_slice_regression:g}"

@@ -153,6 +153,9 @@ BUILTIN_CHECKS = (
 )
 
 
+SLICE_BY_PATTERN = r"^(path|directory|extension|field:\S+)$"
+
+
 class PromoteConfig(_Section):
     model_name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "lmops"
     alias: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_-]+$")] = "champion"
@@ -167,6 +170,14 @@ class PromoteConfig(_Section):
     checks: list[Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")]] = list(BUILTIN_CHECKS)
     # Candidate vs champion on one fixed workload; null: recorded, never refused.
     max_latency_ratio: Annotated[float, Field(gt=0.0)] | None = None
+    # Slices of the test split, each compared on its own: by the document's file (path),
+    # its directory or its extension, or by a row's field (field:NAME, JSONL/CSV/Parquet);
+    # null: none. get_data records each document's slice, so it reads this key too.
+    slice_by: Annotated[str, Field(pattern=SLICE_BY_PATTERN)] | None = "directory"
+    # A slice of at least min_slice_units units whose interval lies wholly above
+    # +max_slice_regression (worse by more than this) blocks the promotion.
+    max_slice_regression: Annotated[float, Field(ge=0.0)] = 0.05
+    min_slice_units: Annotated[int, Field(ge=2)] = 10
 
 
 class MlflowConfig(_Section):

@@ -19,6 +19,8 @@ DATA_METRICS_FILE = DATA_REPORT_FILE.with_name("data_metrics.json")
 DATA_METRICS = ("documents", "bytes", "duplicates_merged", "empty_documents_dropped")
 PROCESSED_DIR = Path("data/processed")
 TOKENS_DIR = PROCESSED_DIR / "tokens"
+# The test split's runs of documents of one slice (promote.slice_by): evaluate's unit cuts.
+TEST_SLICES_FILE = PROCESSED_DIR / "test_slices.json"
 TOKENIZER_DIR = Path("artifacts/tokenizer")
 MODEL_DIR = Path("artifacts/model")
 CHECKPOINT_DIR = Path("artifacts/checkpoints")
@@ -32,6 +34,8 @@ UNITS_FILE = Path("artifacts/eval/units.csv")
 PROMOTION_FILE = Path("artifacts/promotion.json")
 # The gate's numbers (DVC metrics: `dvc metrics show` lists the decision beside the test's).
 PROMOTION_METRICS_FILE = PROMOTION_FILE.with_name("promotion_metrics.json")
+# Candidate and champion bits/byte per slice of the test split (a DVC plot).
+PROMOTION_SLICES_FILE = PROMOTION_FILE.with_name("promotion_slices.csv")
 # Seconds and MB/s of the data stages: beside their DVC outputs, never inside them (a
 # timing differs every run, and in a tracked output it would make DVC rerun what follows).
 THROUGHPUT_FILE = Path("artifacts/throughput.json")

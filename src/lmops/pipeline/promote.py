@@ -19,6 +19,8 @@ champion through the same reconciliation.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import logging
 import tempfile
@@ -45,6 +47,7 @@ from lmops.pipeline.paths import (
     MODEL_DIR,
     PROMOTION_FILE,
     PROMOTION_METRICS_FILE,
+    PROMOTION_SLICES_FILE,
     UNITS_FILE,
 )
 from lmops.runtime.engine import LLMEngine
@@ -103,15 +106,24 @@ def judge(
     incumbent = LLMEngine.from_pretrained(champion_dir, **engine_args) if champion_dir else None
     evidence: dict = {"rule": gate.rule(cfg), "min_improvement": cfg.min_improvement}
     reasons, passed = [], True
+    champion_rows = None
     if champion_dir is not None:
-        rows, how = champion_units(params, champion, champion_dir, selection)
+        champion_rows, how = champion_units(params, champion, champion_dir, selection)
         comparison = gate.paired_bootstrap(
-            candidate_rows, rows, cfg.bootstrap_samples, cfg.confidence, cfg.seed
+            candidate_rows, champion_rows, cfg.bootstrap_samples, cfg.confidence, cfg.seed
         )
         ok, why = gate.better(comparison, cfg)
         evidence.update(comparison.as_dict(), champion_version=int(champion.version))
         reasons.append(f"{why} (champion v{champion.version} {how})")
         passed &= ok
+    if selection.slice_by is not None:
+        slices = gate.compare_slices(candidate_rows, champion_rows, cfg)
+        evidence.update(slice_by=selection.slice_by, slices=[s.as_dict() for s in slices])
+        if champion_rows is not None:
+            ok, why = gate.slices_hold(slices, cfg)
+            evidence["worst_slice"] = next((s.slice for s in slices if s.judged), None)
+            reasons.append(f"slices: {why}")
+            passed &= ok
     context = checks.CheckContext(
         prompts=list(params.evaluate.prompts),
         max_new_tokens=params.evaluate.max_new_tokens,
@@ -308,6 +320,7 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
         crash_points.reached("promote.alias_moved")
         reconcile(cfg, model_dir, just_promoted=True)
     atomic.write_json(PROMOTION_METRICS_FILE, numbers)
+    atomic.write_text(PROMOTION_SLICES_FILE, slices_csv(decision))
     atomic.write_json(PROMOTION_FILE, decision)
     log.info("promotion: %s v%s: %s", "PROMOTED" if promoted else "kept champion", version.version, reason)
     return decision
@@ -328,19 +341,53 @@ def gate_metrics(decision: dict) -> dict[str, float | int]:
         numbers["checks_failed"] = sum(not c["passed"] for c in evidence["checks"])
     if "latency" in evidence:
         numbers["latency_ratio"] = evidence["latency"]["ratio"]
+    judged = [s for s in evidence.get("slices", []) if s["judged"]]
+    if judged:
+        numbers["worst_slice_delta"] = judged[0]["delta_bits_per_byte"]
+        numbers["slices_regressed"] = sum(s["regressed"] for s in judged)
     return numbers
+
+
+def slices_csv(decision: dict) -> str:
+    """Candidate and champion bits/byte per slice (the DVC plot): one row per slice, by
+    name; the champion's empty when there is none; the whole split when nothing is sliced."""
+    evidence = decision["evidence"]
+    slices = evidence.get("slices") or [
+        {
+            "slice": "(all)",
+            "units": evidence.get("units", ""),
+            "candidate_bits_per_byte": decision["candidate_bits_per_byte"],
+            "champion_bits_per_byte": decision.get("champion_bits_per_byte"),
+        }
+    ]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["slice", "units", "candidate", "champion"])
+    for s in sorted(slices, key=lambda s: s["slice"]):
+        champion = s.get("champion_bits_per_byte")
+        writer.writerow(
+            [s["slice"], s["units"], s["candidate_bits_per_byte"], "" if champion is None else champion]
+        )
+    return out.getvalue()
 
 
 TAG_LIMIT = 5000  # characters of a model version tag's value (MLflow's limit)
 
 
 def evidence_tag(record: dict) -> str:
-    """The evidence as one compact JSON tag; the checks' messages go first when it is too long."""
-    text = json.dumps(record, separators=(",", ":"), sort_keys=True)
-    if len(text) > TAG_LIMIT:
-        record = {
-            **record,
-            "checks": [{k: c[k] for k in ("name", "passed")} for c in record.get("checks", [])],
-        }
-        text = json.dumps(record, separators=(",", ":"), sort_keys=True)
-    return text[:TAG_LIMIT]
+    """The evidence as one JSON tag within MLflow's limit. When it is too long, the per-slice
+    rows go first, then the checks' messages, then all but the decision and its numbers; the
+    reason is cut last. Always whole JSON: the model card parses it."""
+    lean = {k: v for k, v in record.items() if k != "slices"}
+    checks = [{k: c[k] for k in ("name", "passed")} for c in record.get("checks", [])]
+    core = ("promoted", "reason", "delta_bits_per_byte", "interval", "units", "worst_slice")
+    for candidate in (record, lean, {**lean, "checks": checks}, {k: record[k] for k in core if k in record}):
+        text = json.dumps(candidate, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+        if len(text) <= TAG_LIMIT:
+            return text
+    reason = record["reason"]
+    while True:
+        reason = reason[: len(reason) * 9 // 10]
+        text = json.dumps({"promoted": record["promoted"], "reason": reason + " ..."}, ensure_ascii=False)
+        if len(text) <= TAG_LIMIT:
+            return text

@@ -6,6 +6,8 @@ Files are taken in sorted order and read as a stream; each reads as a `SourceFil
 one text, or one text per row of a table (JSONL, CSV/TSV, Parquet: the
 `data.text_field`). `.gz` and `.zst` files are decompressed as they are read; the
 format comes from the extension under the compression one, unless `data.format` names it.
+A table's rows can also carry a second field (promote.slice_by's field:NAME), the value
+promotion slices the test split by.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import itertools
 import json
 import logging
 import os
@@ -60,29 +63,37 @@ class SourceFile:
     format: str  # text | jsonl | csv | parquet
     load: Loader
     cfg: DataConfig
+    slice_field: str | None = None  # a table's field read beside the text (promote.slice_by)
     replaced: int = 0  # undecodable byte sequences replaced by U+FFFD (encoding_errors: replace)
 
     @property
     def is_table(self) -> bool:
         return self.format != "text"
 
-    def texts(self) -> Iterator[Iterator[str]]:
+    def texts(self) -> Iterator[tuple[Iterator[str], str | None]]:
+        """Each text's blocks, with its row's `slice_field` value (None for a text file or
+        when no field is asked for)."""
         self.replaced = 0
-        field = self.cfg.text_field
+        fields = Fields(self.cfg.text_field, self.slice_field)
+        if self.slice_field is not None and not self.is_table:
+            raise LmopsError(
+                f"promote.slice_by: field:{self.slice_field} needs a table (jsonl, csv, parquet); "
+                f"{self.name} is text: slice it by path, directory or extension"
+            )
         if self.format == "parquet":
-            yield from (iter([row]) for row in _parquet_rows(self.name, self.load(), field))
-            return
-        raw = _raw_blocks(self.name, self.load())
-        if self.format == "jsonl":
-            rows = _jsonl_rows(self.name, self._text_blocks(raw), field)
-        elif self.format == "csv":
-            sep = "\t" if _plain_name(self.name).endswith((".tsv", ".tab")) else ","
-            rows = _csv_rows(self.name, _BlocksAsFile(self._text_blocks(raw)), field, sep)
+            rows = _parquet_rows(self.name, self.load(), fields)
         else:
-            yield self._text_blocks(raw)
-            return
-        for row in rows:
-            yield iter([row])
+            raw = _raw_blocks(self.name, self.load())
+            if self.format == "jsonl":
+                rows = _jsonl_rows(self.name, self._text_blocks(raw), fields)
+            elif self.format == "csv":
+                sep = "\t" if plain_name(self.name).endswith((".tsv", ".tab")) else ","
+                rows = _csv_rows(self.name, _BlocksAsFile(self._text_blocks(raw)), fields, sep)
+            else:
+                yield self._text_blocks(raw), None
+                return
+        for text, value in rows:
+            yield iter([text]), value
 
     def _text_blocks(self, raw: Iterator[bytes]) -> Iterator[str]:
         """Decoded blocks of whole lines ('\n' never sits inside a UTF-8 sequence, so a cut
@@ -239,7 +250,7 @@ def _lower_path(name: str) -> str:
     return urlparse(name).path.lower() if "://" in name else name.lower()
 
 
-def _plain_name(name: str) -> str:
+def plain_name(name: str) -> str:
     """The file's name, lower case, without its compression extension."""
     return _lower_path(name).removesuffix(".gz").removesuffix(".zst")
 
@@ -273,22 +284,41 @@ def _raw_blocks(name: str, stream: BinaryIO) -> Iterator[bytes]:
             yield data
 
 
-def read_file(name: str, load: Loader, cfg: DataConfig) -> SourceFile:
-    plain = _plain_name(name)
+def read_file(name: str, load: Loader, cfg: DataConfig, slice_field: str | None = None) -> SourceFile:
+    plain = plain_name(name)
     fmt = cfg.format if cfg.format != "auto" else _FORMATS.get(posixpath.splitext(plain)[1], "text")
-    return SourceFile(name, fmt, load, cfg)
+    return SourceFile(name, fmt, load, cfg, slice_field)
 
 
-def _missing_field(name: str, where: str, field: str, existing: list[str]) -> LmopsError:
-    return LmopsError(
-        f"{name}: {where} has no field {field!r} (data.text_field); "
-        f"its fields: {', '.join(map(str, existing)) or 'none'}"
-    )
+@dataclass(frozen=True)
+class Fields:
+    """The fields a table's row is read for: its text and, optionally, its slice."""
+
+    text: str
+    slice: str | None
+
+    def check(self, name: str, where: str, existing: list[str]) -> None:
+        for field, key in ((self.text, "data.text_field"), (self.slice, "promote.slice_by")):
+            if field is not None and field not in existing:
+                raise LmopsError(
+                    f"{name}: {where} has no field {field!r} ({key}); "
+                    f"its fields: {', '.join(map(str, existing)) or 'none'}"
+                )
+
+    def slice_value(self, value: object, where: str) -> str | None:
+        """A row's slice as text: a string as it is, a number, a boolean or null as JSON writes it."""
+        if self.slice is None:
+            return None
+        if isinstance(value, str):
+            return value
+        if value is None or isinstance(value, int | float | bool):
+            return json.dumps(value)
+        raise LmopsError(f"{where}: {self.slice!r} is a {type(value).__name__}, not a value to slice by")
 
 
-def _jsonl_rows(name: str, blocks: Iterator[str], field: str) -> Iterator[str]:
-    """One text per line, as the lines are read. Parsed line by line (not pandas) to name
-    the line that fails."""
+def _jsonl_rows(name: str, blocks: Iterator[str], fields: Fields) -> Iterator[tuple[str, str | None]]:
+    """One (text, slice) per line, as the lines are read. Parsed line by line (not pandas)
+    to name the line that fails."""
     lines = (line for block in blocks for line in block.removesuffix("\n").split("\n"))
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -301,9 +331,10 @@ def _jsonl_rows(name: str, blocks: Iterator[str], field: str) -> Iterator[str]:
             ) from None
         if not isinstance(obj, dict):
             raise LmopsError(f"{name}: line {number} is a JSON {type(obj).__name__}, not an object")
-        if field not in obj:
-            raise _missing_field(name, f"line {number}", field, list(obj))
-        yield _text_value(obj[field], f"{name}: line {number}: {field!r}")
+        where = f"{name}: line {number}"
+        fields.check(name, f"line {number}", list(obj))
+        text = _text_value(obj[fields.text], f"{where}: {fields.text!r}")
+        yield text, fields.slice_value(obj.get(fields.slice), where)
 
 
 def _text_value(value: object, where: str) -> str:
@@ -334,8 +365,8 @@ class _BlocksAsFile(io.TextIOBase):
         return out
 
 
-def _csv_rows(name: str, text: io.TextIOBase, field: str, sep: str) -> Iterator[str]:
-    """The texts of a CSV (or TSV), `TABLE_ROWS` rows at a time."""
+def _csv_rows(name: str, text: io.TextIOBase, fields: Fields, sep: str) -> Iterator[tuple[str, str | None]]:
+    """The (text, slice) of each row of a CSV (or TSV), `TABLE_ROWS` rows at a time."""
     import pandas as pd
 
     kind = "TSV" if sep == "\t" else "CSV"
@@ -346,17 +377,18 @@ def _csv_rows(name: str, text: io.TextIOBase, field: str, sep: str) -> Iterator[
                 text, sep=sep, dtype=str, keep_default_na=False, index_col=False, chunksize=TABLE_ROWS
             )
             for frame in frames:
-                if field not in frame.columns:
-                    raise _missing_field(name, "the header", field, list(frame.columns))
-                yield from (v if isinstance(v, str) else "" for v in frame[field].tolist())
+                fields.check(name, "the header", list(frame.columns))
+                texts = (v if isinstance(v, str) else "" for v in frame[fields.text].tolist())
+                slices = frame[fields.slice].tolist() if fields.slice else itertools.repeat(None)
+                yield from zip(texts, slices, strict=False)
     except pd.errors.EmptyDataError:
         return
     except (pd.errors.ParserError, pd.errors.ParserWarning, ValueError) as exc:
         raise LmopsError(f"{name}: not valid {kind}: {_one_line(exc)}") from None
 
 
-def _parquet_rows(name: str, stream: BinaryIO, field: str) -> Iterator[str]:
-    """The texts of a Parquet file, a batch of `TABLE_ROWS` at a time. Arrow reads a file by
+def _parquet_rows(name: str, stream: BinaryIO, fields: Fields) -> Iterator[tuple[str, str | None]]:
+    """The (text, slice) of each row of a Parquet file, a batch of `TABLE_ROWS` at a time. Arrow reads a file by
     seeking to its footer: a compressed file or a stream that cannot seek (https://) is
     first decompressed into a temporary file, not memory."""
     import pyarrow as pa
@@ -371,14 +403,16 @@ def _parquet_rows(name: str, stream: BinaryIO, field: str) -> Iterator[str]:
             source.seek(0)
         try:
             table = pq.ParquetFile(source, pre_buffer=False)  # True reads every row group at once
-            names = table.schema_arrow.names
-            if field not in names:
-                raise _missing_field(name, "the schema", field, names)
-            kind = table.schema_arrow.field(field).type
+            fields.check(name, "the schema", table.schema_arrow.names)
+            kind = table.schema_arrow.field(fields.text).type
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-                raise LmopsError(f"{name}: column {field!r} is {kind}, not a string")
-            for batch in table.iter_batches(batch_size=TABLE_ROWS, columns=[field]):
-                yield from (v or "" for v in batch.column(0).to_pylist())
+                raise LmopsError(f"{name}: column {fields.text!r} is {kind}, not a string")
+            columns = [fields.text] + ([fields.slice] if fields.slice else [])
+            where = f"{name}: column {fields.slice!r}"
+            for batch in table.iter_batches(batch_size=TABLE_ROWS, columns=columns):
+                texts = [v or "" for v in batch.column(0).to_pylist()]
+                values = batch.column(1).to_pylist() if fields.slice else [None] * len(texts)
+                yield from zip(texts, (fields.slice_value(v, where) for v in values), strict=True)
         except (pa.ArrowException, OSError) as exc:
             raise LmopsError(f"{name}: not valid Parquet: {_one_line(exc)}") from None
 
