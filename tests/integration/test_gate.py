@@ -1,7 +1,8 @@
 """The promotion gate through `lmops promote` on real models, tracking and registry: a
 better but slower candidate is refused under promote.max_latency_ratio and promoted
 without it; a failing check blocks with its name; a check that does not import stops
-with one line and promotes nothing."""
+with one line and promotes nothing; a champion that cannot be downloaded stops promote
+with one line, and --force promotes and records why there was no evidence."""
 
 from __future__ import annotations
 
@@ -91,3 +92,33 @@ def test_a_better_but_slower_candidate_waits_for_the_latency_budget(project):
     assert "below -0.02" in promoted["reason"] and "measured on the same test units" in promoted["reason"]
     card = (project / "production_service/model/README.md").read_text()
     assert card.startswith("---\n") and "model-index" in card and str(promoted["evidence"]["units"]) in card
+
+
+def test_a_champion_that_cannot_be_downloaded_stops_promote_and_force_says_why(project):
+    """After the test above v2 is @champion: a new candidate, and v2's logged weights gone."""
+    champion = promotion(project)
+    assert champion["promoted"] and champion["version"] == 2
+    write_params(project, {"train": {"max_steps": 4}}, base=project / "params.yaml")
+    stages(project, "train", "evaluate")
+    logged = [
+        meta.parent / "model.safetensors"
+        for meta in (project / "artifacts/mlruns").rglob("lmops.json")
+        if json.loads(meta.read_text()).get("run_id") == champion["run_id"]
+    ]
+    assert logged
+    for weights in logged:
+        weights.unlink()
+
+    refused = run([str(BIN / "lmops"), "promote"], project, check=False)
+    assert_clean_error(
+        refused, "the champion v2 cannot be downloaded: models:/lmops/2 holds no model directory"
+    )
+    assert promotion(project) == champion  # nothing written
+
+    run([str(BIN / "lmops"), "promote", "--force"], project)
+    forced = promotion(project)
+    assert forced["promoted"] and forced["version"] == 3
+    assert forced["reason"].startswith(
+        "forced with --force (the gate said: the champion v2 cannot be downloaded"
+    )
+    assert json.loads((project / "production_service/model/lmops.json").read_text())["model_version"] == 3

@@ -58,6 +58,11 @@ log = logging.getLogger(__name__)
 METRIC = "test_bits_per_byte"
 
 
+class ChampionUnavailable(LmopsError):
+    """The champion cannot be downloaded, loaded or scored: the gate cannot judge, and only
+    --force promotes (and records why there is no evidence)."""
+
+
 def champion_units(
     params: Params, champion, champion_dir: Path, selection: UnitSelection
 ) -> tuple[list, str]:
@@ -68,7 +73,7 @@ def champion_units(
     try:
         rows = score_model_dir(champion_dir, selection, params.evaluate, params.train.device)
     except LmopsError as exc:
-        raise LmopsError(f"the champion v{champion.version} cannot be scored: {exc}") from None
+        raise ChampionUnavailable(f"the champion v{champion.version} cannot be scored: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="lmops-champion-units-") as tmp:
         path = Path(tmp) / "units.csv"
         path.write_text(units_csv(rows), encoding="utf-8")
@@ -103,7 +108,10 @@ def judge(
     checks.resolve(cfg.checks)  # a check that does not import stops before any work
     engine_args = {"device": params.train.device, "compile": False}
     candidate = LLMEngine.from_pretrained(model_dir, **engine_args)
-    incumbent = LLMEngine.from_pretrained(champion_dir, **engine_args) if champion_dir else None
+    try:
+        incumbent = LLMEngine.from_pretrained(champion_dir, **engine_args) if champion_dir else None
+    except LmopsError as exc:
+        raise ChampionUnavailable(f"the champion v{champion.version} cannot be loaded: {exc}") from None
     evidence: dict = {"rule": gate.rule(cfg), "min_improvement": cfg.min_improvement}
     reasons, passed = [], True
     champion_rows = None
@@ -145,6 +153,16 @@ def judge(
             reasons.append(why)
     evidence.update(passed=passed, reason="; ".join(reasons) or "no champion yet")
     return evidence
+
+
+def fetch(champion, dst: Path) -> Path | None:
+    """The champion's model directory, downloaded into `dst` (None when there is no champion)."""
+    if champion is None:
+        return None
+    try:
+        return download(f"models:/{champion.name}/{champion.version}", dst)
+    except LmopsError as exc:
+        raise ChampionUnavailable(f"the champion v{champion.version} cannot be downloaded: {exc}") from None
 
 
 def exported_version(export_dir: Path) -> tuple[str, str] | None:
@@ -264,15 +282,17 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
     }
     is_champion = champion is not None and champion.version == version.version
     with tempfile.TemporaryDirectory(prefix="lmops-champion-") as tmp:
-        champion_dir = None
-        if champion is not None and not is_champion:
-            try:
-                champion_dir = download(f"models:/{champion.name}/{champion.version}", Path(tmp))
-            except LmopsError as exc:
-                raise LmopsError(f"the champion v{champion.version} cannot be downloaded: {exc}") from None
-        evidence = (
-            {} if is_champion else judge(params, model_dir, champion, champion_dir, selection, candidate_rows)
-        )
+        try:
+            evidence = (
+                {}
+                if is_champion
+                else judge(params, model_dir, champion, fetch(champion, Path(tmp)), selection, candidate_rows)
+            )
+        except ChampionUnavailable as exc:
+            if not force:
+                raise
+            log.warning("%s; --force promotes without the gate's evidence", exc)
+            evidence = {"passed": False, "reason": str(exc)}
     decision.update(
         {k: evidence[k] for k in ("champion_version", "champion_bits_per_byte") if k in evidence},
         evidence={k: v for k, v in evidence.items() if k not in ("passed", "reason")},
