@@ -79,6 +79,44 @@ def _sampling(field: str, description: str | None = None, cap: float | None = No
     return Annotated[float, Field(**low, le=hi, allow_inf_nan=False, description=description)] | None
 
 
+class ResponseFormatText(_Request):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict = Field(alias="schema", description="The JSON schema the output follows.")
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced.")
+
+
+class ResponseFormatJsonSchema(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs`: exactly one of json, json_object, regex, choice, grammar."""
+
+    json_: dict | str | None = Field(None, alias="json", description="A JSON schema (object or its text).")
+    json_object: bool | None = Field(None, description="Any JSON object.")
+    regex: str | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: str | None = Field(None, description="A Lark or GBNF grammar.")
+    whitespace_pattern: str | None = Field(
+        None, description="JSON only: the regex of whitespace allowed between tokens (default: none)."
+    )
+
+
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="A last event with the usage and no choices.")
     continuous_usage_stats: bool = Field(False, description="The usage so far in every event (vLLM extra).")
@@ -172,6 +210,12 @@ def request_models(limits: Limits) -> RequestModels:
             ]
             | None
         ) = Field(None, description="Token id -> bias added to its logit.")
+        response_format: ResponseFormat | None = Field(
+            None, description="OpenAI's: text, any JSON object, or JSON following a schema (enforced)."
+        )
+        structured_outputs: StructuredOutputsRequest | None = Field(
+            None, description="vLLM's: the output follows a JSON schema, regex, choice or grammar."
+        )
 
     class CompletionRequest(Generation):
         prompt: (

@@ -2,7 +2,9 @@
 
 The document allows requests that keep the tiny CPU model busy for seconds
 (16 prompts x n=16 x 255 tokens, long chats); valid cases are shrunk to cheap ones that stay
-valid. Invalid cases are left alone: they are rejected before any generation.
+valid. A constraint (response_format, structured_outputs) is valid only when its regex,
+grammar or schema compiles, which no JSON Schema can say, so a valid case gets a small one
+that does. Invalid cases are left alone: they are rejected before any generation.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ def cheap(body: dict) -> dict:
         body["max_completion_tokens"] = min(body["max_completion_tokens"], 2)
     if _number(body.get("n")):
         body["n"] = min(body["n"], 2)
+    if body.keys() & {"response_format", "structured_outputs"}:
+        body.pop("response_format", None)
+        body.pop("min_tokens", None)  # the grammar says where the output ends
+        body["structured_outputs"] = {"choice": ["yes", "no"]}
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         body["prompt"] = prompt[:40]
