@@ -179,7 +179,7 @@ def _chat_completions():
     runtime, stats = _runtime(), g.stats
     body = _validated("chat")
     jobs = completions.submit(runtime, body, stats, chat.encode_messages(runtime, body))
-    return _answer(chat.ChatFormat(runtime, f"chatcmpl-{stats.request_id}"), jobs, body, stats)
+    return _answer(chat.ChatFormat(runtime, f"chatcmpl-{stats.request_id}", body), jobs, body, stats)
 
 
 def _answer(fmt, jobs, body, stats):

@@ -5,6 +5,7 @@ their replacement. Invalid specs are 400s naming the field (the engine compiles 
 from __future__ import annotations
 
 from lmops.runtime.engine.grammar import GrammarError, GrammarTimeoutError, StructuredOutputs
+from production_service import tools
 from production_service.errors import APIError
 
 # vLLM's old fields and where each went (vLLM 0.11 removed them too).
@@ -35,6 +36,8 @@ def _field(body, constraint: StructuredOutputs | None) -> tuple[str, str]:
     """(the top-level field, the path a message names) that sets the request's constraint."""
     if getattr(body, "structured_outputs", None) is not None:
         return "structured_outputs", "structured_outputs" + (f".{constraint.kind}" if constraint else "")
+    if getattr(body, "response_format", None) is None:
+        return "tools", "tools"
     if body.response_format.type == "json_schema":
         return "response_format", "response_format.json_schema.schema"
     return "response_format", "response_format"
@@ -44,13 +47,16 @@ def spec(body) -> StructuredOutputs | None:
     """The engine's constraint for `body`: its response_format or structured_outputs."""
     fmt, so = getattr(body, "response_format", None), getattr(body, "structured_outputs", None)
     constrained = fmt is not None and fmt.type != "text"
-    if constrained and so is not None:
+    calls = tools.constraint(body) if hasattr(body, "tools") else None
+    if constrained + (so is not None) + (calls is not None) > 1:
         raise APIError(
             400,
-            "response_format: give response_format or structured_outputs, not both",
+            "response_format: give one of response_format, structured_outputs or tools (with a tool_choice but none)",
             code="invalid_value",
             param="response_format",
         )
+    if calls is not None:
+        return calls
     try:
         if so is not None:
             return StructuredOutputs(**so.model_dump(exclude_none=True, by_alias=True))

@@ -138,7 +138,7 @@ def test_a_cut_output_finishes_with_length(client):
         (
             {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
             "response_format",
-            "not both",
+            "give one of response_format, structured_outputs or tools",
         ),
         (
             {"structured_outputs": {"regex": "a"}, "min_tokens": 2},
