@@ -22,7 +22,7 @@ import uuid
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from production_service import chat, completions, errors
+from production_service import chat, completions, errors, structured
 from production_service.errors import APIError
 from production_service.observability import HttpMetrics, RequestStats, configure_logging
 from production_service.runtime import Runtime
@@ -152,6 +152,7 @@ def _validated(endpoint: str):
     body = _json_body(runtime.config.max_body_bytes)
     completions.check_prompt_size(body, runtime.limits)
     request_model = getattr(request_models(runtime.limits), endpoint)
+    structured.reject_guided(body)
     check_fields(request_model, body)
     valid = validate(request_model, body)
     model = getattr(valid, "model", None)
@@ -178,7 +179,7 @@ def _chat_completions():
     runtime, stats = _runtime(), g.stats
     body = _validated("chat")
     jobs = completions.submit(runtime, body, stats, chat.encode_messages(runtime, body))
-    return _answer(chat.ChatFormat(runtime, f"chatcmpl-{stats.request_id}"), jobs, body, stats)
+    return _answer(chat.ChatFormat(runtime, f"chatcmpl-{stats.request_id}", body), jobs, body, stats)
 
 
 def _answer(fmt, jobs, body, stats):

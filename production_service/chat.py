@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from lmops.runtime.chat_template import ChatTemplateError, render
+from production_service import tools
 from production_service.completions import Piece, _logprob
 from production_service.errors import APIError
 from production_service.schemas import (
@@ -18,6 +19,7 @@ from production_service.schemas import (
     ChatLogprobs,
     ChatMessage,
     TokenLogprob,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
@@ -29,22 +31,37 @@ NO_TEMPLATE = (
 )
 
 
-def render_messages(runtime, messages, add_generation_prompt: bool) -> str:
-    """The prompt text the chat template makes of `messages`; 400 without a template or
-    when the template rejects them."""
-    if runtime.chat_template is None:
+def render_messages(runtime, messages, add_generation_prompt: bool, body=None) -> str:
+    """The prompt text the chat template makes of `messages` (and of a chat `body`'s tools);
+    400 without a template or when the template rejects them."""
+    template = runtime.chat_template
+    if template is None:
         raise APIError(400, NO_TEMPLATE, code="chat_template_missing", param="messages")
-    plain = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})} for m in messages]
+    tool_list, preamble = tools.rendered_tools(body, template) if body is not None else (None, [])
+    plain = preamble + [_plain(m, tool_list is not None) for m in messages]
     try:
-        return render(runtime.chat_template, plain, runtime.special_tokens, add_generation_prompt)
+        return render(template, plain, runtime.special_tokens, add_generation_prompt, tool_list)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), code="invalid_value", param="messages") from None
+
+
+def _plain(m, template_has_tools: bool) -> dict:
+    """A message as the template reads it; earlier tool calls in the call syntax when the
+    template does not render them itself."""
+    calls = [c.model_dump() for c in m.tool_calls or ()]
+    text = m.text if m.content is not None or template_has_tools else tools.call_text(calls)
+    out = {"role": m.role, "content": text, **({"name": m.name} if m.name else {})}
+    if calls and template_has_tools:
+        out["tool_calls"] = calls
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def encode_messages(runtime, body) -> list[tuple[str, list[int]]]:
     """The one prompt of a chat body, tokenized as transformers' apply_chat_template does
     (no special tokens added: the template writes them)."""
-    text = render_messages(runtime, body.messages, body.add_generation_prompt)
+    text = render_messages(runtime, body.messages, body.add_generation_prompt, body)
     return [(text, runtime.engine.tokenizer.encode(text, add_special_tokens=False).ids)]
 
 
@@ -52,9 +69,13 @@ class ChatFormat:
     """OpenAI's chat shapes: a message (or deltas, the first with the role) and
     `logprobs.content` per token with its UTF-8 bytes and top alternatives."""
 
-    def __init__(self, runtime, completion_id: str):
+    def __init__(self, runtime, completion_id: str, body=None):
         self.tok = runtime.engine.tokenizer
         self.head = {"id": completion_id, "created": int(time.time()), "model": runtime.model.name}
+        # With tools the output may be calls: a streamed choice holds its text back while
+        # it may still become one (`held`, by index), and sends them whole when it finishes.
+        self.calls = body is not None and tools.chosen(body) is not None
+        self.held: dict[int, str] = {}
 
     def opens(self, piece: Piece) -> bool:
         return True  # the role comes first, as OpenAI's first chunk carries it
@@ -65,16 +86,31 @@ class ChatFormat:
         )
         finish = piece.co.finish_reason
         if not stream:
+            calls = tools.parse(piece.text) if self.calls and finish == "stop" else None
+            message = (
+                ChatMessage(content=None, tool_calls=calls) if calls else ChatMessage(content=piece.text)
+            )
             return ChatChoice(
                 index=piece.index,
-                message=ChatMessage(content=piece.text),
+                message=message,
                 logprobs=logprobs,
-                finish_reason=finish,
+                finish_reason="tool_calls" if calls else finish,
             )
-        delta = (
-            ChatDelta(role="assistant", content=piece.text) if piece.first else ChatDelta(content=piece.text)
+        text, calls = piece.text, None
+        if self.calls and (piece.first or piece.index in self.held):
+            text = self.held.pop(piece.index, "") + text
+            calls = tools.parse(text) if finish == "stop" else None
+            if calls:
+                text = None
+            elif not finish and tools.may_become_call(text):
+                self.held[piece.index], text = text, ""
+        delta = ChatDelta(
+            role="assistant" if piece.first else None,
+            content=text,
+            tool_calls=[ToolCallDelta(index=i, **c) for i, c in enumerate(calls)] if calls else None,
         )
-        return ChatChunkChoice(index=piece.index, delta=delta, logprobs=logprobs, finish_reason=finish)
+        reason = "tool_calls" if calls else finish
+        return ChatChunkChoice(index=piece.index, delta=delta, logprobs=logprobs, finish_reason=reason)
 
     def body(self, choices: list, usage: Usage | None, stream: bool):
         if stream:

@@ -21,6 +21,8 @@ from lmops.runtime.engine import (
     RequestOutput,
     SamplingParams,
 )
+from lmops.runtime.engine.grammar import GrammarError
+from production_service import structured
 from production_service.errors import APIError, error_body
 from production_service.observability import RequestStats
 from production_service.schemas import (
@@ -38,8 +40,9 @@ from production_service.schemas import (
 DISCONNECT_POLL_S = 0.5
 # The SamplingParams fields a request sets under their own names; the request models
 # spell the others their own way: logprobs and prompt_logprobs (`sampling_fields()`: chat's
-# boolean logprobs, echo's prompt log-probs), logit_bias with string keys.
-_SPELLED_OWN_WAY = {"logprobs", "prompt_logprobs", "logit_bias"}
+# boolean logprobs, echo's prompt log-probs), logit_bias with string keys, structured_outputs
+# (with response_format: structured.py).
+_SPELLED_OWN_WAY = {"logprobs", "prompt_logprobs", "logit_bias", "structured_outputs"}
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in _SPELLED_OWN_WAY)
 
 
@@ -124,6 +127,8 @@ def sampling_params(body, defaults: SamplingParams) -> SamplingParams:
     kwargs.update((k, v) for k, v in body.sampling_fields().items() if v is not None)
     if getattr(body, "logit_bias", None):
         kwargs["logit_bias"] = {int(t): b for t, b in body.logit_bias.items()}
+    if (constraint := structured.spec(body)) is not None:
+        kwargs["structured_outputs"] = constraint
     try:
         return dataclasses.replace(defaults, **kwargs)
     except ValueError as exc:
@@ -155,6 +160,8 @@ def submit(runtime, body, stats: RequestStats, prompts: list[tuple[str, list[int
             code="context_length_exceeded",
             param="messages" if chat else "prompt",
         ) from None
+    except GrammarError as exc:
+        raise structured.invalid(body, exc, params.structured_outputs) from None
     except ValueError as exc:
         param = "n" if str(exc).startswith("n ") else "prompt"
         raise APIError(400, str(exc), code="invalid_value", param=param) from None

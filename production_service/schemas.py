@@ -24,7 +24,7 @@ MAX_N = 16
 MAX_STOP = 8
 MAX_STOP_CHARS = 256
 MODEL_DEFAULT = " Default: the model's generation_config.json."
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,44 @@ def _sampling(field: str, description: str | None = None, cap: float | None = No
     return Annotated[float, Field(**low, le=hi, allow_inf_nan=False, description=description)] | None
 
 
+class ResponseFormatText(_Request):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict = Field(alias="schema", description="The JSON schema the output follows.")
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced.")
+
+
+class ResponseFormatJsonSchema(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs`: exactly one of json, json_object, regex, choice, grammar."""
+
+    json_: dict | str | None = Field(None, alias="json", description="A JSON schema (object or its text).")
+    json_object: bool | None = Field(None, description="Any JSON object.")
+    regex: str | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: str | None = Field(None, description="A Lark or GBNF grammar.")
+    whitespace_pattern: str | None = Field(
+        None, description="JSON only: the regex of whitespace allowed between tokens (default: none)."
+    )
+
+
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="A last event with the usage and no choices.")
     continuous_usage_stats: bool = Field(False, description="The usage so far in every event (vLLM extra).")
@@ -98,16 +136,60 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)] = Field(
-        description="A string, or text parts (joined with no separator)."
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = Field(
+        description="A string, or text parts (joined with no separator); null for an assistant's tool calls."
     )
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's calls.")
+    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except for an assistant message with tool_calls")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class Function(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict = Field(
+        default_factory=lambda: {"type": "object"}, description="A JSON schema of the arguments."
+    )
+    strict: bool | None = Field(None, description="Accepted; the parameters are always enforced.")
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 @functools.lru_cache(maxsize=4)
@@ -172,6 +254,12 @@ def request_models(limits: Limits) -> RequestModels:
             ]
             | None
         ) = Field(None, description="Token id -> bias added to its logit.")
+        response_format: ResponseFormat | None = Field(
+            None, description="OpenAI's: text, any JSON object, or JSON following a schema (enforced)."
+        )
+        structured_outputs: StructuredOutputsRequest | None = Field(
+            None, description="vLLM's: the output follows a JSON schema, regex, choice or grammar."
+        )
 
     class CompletionRequest(Generation):
         prompt: (
@@ -208,6 +296,11 @@ def request_models(limits: Limits) -> RequestModels:
         logprobs: bool | None = Field(None, description="Log-probs of the generated tokens.")
         top_logprobs: _sampling("logprobs", "Alternatives per token, with logprobs.") = None
         add_generation_prompt: bool = Field(True, description="End with the assistant's turn (vLLM extra).")
+        tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+        tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+            None, description="Default auto with tools; required and a named function are enforced."
+        )
+        parallel_tool_calls: bool | None = Field(None, description="false: at most one call. Default true.")
 
         def sampling_fields(self) -> dict:
             return {
@@ -352,7 +445,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -362,9 +456,14 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason | None
 
 
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

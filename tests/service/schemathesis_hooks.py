@@ -2,7 +2,10 @@
 
 The document allows requests that keep the tiny CPU model busy for seconds
 (16 prompts x n=16 x 255 tokens, long chats); valid cases are shrunk to cheap ones that stay
-valid. Invalid cases are left alone: they are rejected before any generation.
+valid. A constraint (response_format, structured_outputs, tools) is valid only when its regex,
+grammar or schema compiles (and a named tool_choice is among the tools), which no JSON
+Schema can say, so a valid case gets a small one that does; a message's content is null
+only beside tool calls, so it gets some. Invalid cases are left alone: they are rejected before any generation.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ def cheap(body: dict) -> dict:
         body["max_completion_tokens"] = min(body["max_completion_tokens"], 2)
     if _number(body.get("n")):
         body["n"] = min(body["n"], 2)
+    if body.keys() & {"response_format", "structured_outputs", "tools", "tool_choice"}:
+        for key in ("response_format", "tools", "tool_choice", "parallel_tool_calls"):
+            body.pop(key, None)
+        body.pop("min_tokens", None)  # the grammar says where the output ends
+        body["structured_outputs"] = {"choice": ["yes", "no"]}
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         body["prompt"] = prompt[:40]
@@ -32,7 +40,7 @@ def cheap(body: dict) -> dict:
     messages = body.get("messages")
     if isinstance(messages, list):
         body["messages"] = [
-            {**m, "content": _short(m["content"])} if isinstance(m, dict) and "content" in m else m
+            {**m, "content": _short(m["content"] or "x")} if isinstance(m, dict) and "content" in m else m
             for m in messages[:4]
         ]
     return body

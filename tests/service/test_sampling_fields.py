@@ -15,9 +15,17 @@ from production_service.settings import ServiceConfig
 
 SAMPLING = {f.name for f in dataclasses.fields(SamplingParams)}
 # The request fields that are not SamplingParams fields.
-SHARED = {"model", "stream", "stream_options", "user"}
+SHARED = {"model", "stream", "stream_options", "user", "response_format"}
 COMPLETION_ONLY = {"prompt", "echo", "truncate_prompt_tokens"}
-CHAT_ONLY = {"messages", "add_generation_prompt", "max_completion_tokens", "top_logprobs"}
+CHAT_ONLY = {
+    "messages",
+    "add_generation_prompt",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 

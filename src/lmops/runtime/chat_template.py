@@ -45,12 +45,18 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def render(
-    source: str, messages: list[dict], special_tokens: dict[str, str], add_generation_prompt: bool
+    source: str,
+    messages: list[dict],
+    special_tokens: dict[str, str],
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
 ) -> str:
-    """The prompt text for `messages` ({"role", "content"} dicts)."""
+    """The prompt text for `messages` ({"role", "content"} dicts), with OpenAI-shaped `tools`
+    given to the template as transformers gives them (only when there are some)."""
+    extra = {"tools": tools} if tools else {}
     try:
         return compile_template(source).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens
+            messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens, **extra
         )
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None

@@ -60,12 +60,19 @@ class EngineConfig:
     # `lmops:prompt_bits_per_byte`); 0 disables it.
     drift_sample: float = 0.1
     quantization: str | None = None  # "int8": weight-only int8 linears and LM head (lmops.runtime.quantize)
+    # Structured outputs (engine/grammar.py): compiled grammars kept, and the seconds one may
+    # take to compile before its request is refused.
+    grammar_cache_size: int = 64
+    grammar_compile_timeout: float = 5.0
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "grammar_cache_size"):
             positive_int(name, getattr(self, name))
         if isinstance(self.drift_sample, bool) or not isinstance(self.drift_sample, int | float):
             raise ValueError(f"drift_sample must be a number in [0, 1], got {self.drift_sample!r}")
         if not 0 <= self.drift_sample <= 1:
             raise ValueError(f"drift_sample must be in [0, 1], got {self.drift_sample!r}")
         check_quantization(self.quantization)
+        timeout = self.grammar_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be a number of seconds > 0, got {timeout!r}")

@@ -10,6 +10,7 @@ import itertools
 import logging
 import math
 import os
+import threading
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -19,10 +20,11 @@ from tokenizers import Tokenizer
 
 from lmops.errors import LmopsError
 from lmops.runtime.engine.config import EngineConfig
+from lmops.runtime.engine.grammar import GrammarCompiler
 from lmops.runtime.engine.kv_cache import BlockManager, KVPool
 from lmops.runtime.engine.metrics import EngineMetrics, now
 from lmops.runtime.engine.runner import ModelRunner
-from lmops.runtime.engine.sampling import SamplingParams, sample
+from lmops.runtime.engine.sampling import SamplingParams, TokenMasks, sample
 from lmops.runtime.engine.scheduler import Scheduler
 from lmops.runtime.engine.sequence import (
     IncrementalDetokenizer,
@@ -88,6 +90,8 @@ class LLMEngine:
         # Drift sampling is systematic (every 1/drift_sample-th request), so runs are reproducible.
         self._drift_credit = 0.0
         self._token_bytes = token_byte_lengths(tokenizer) if engine_config.drift_sample > 0 else None
+        self._grammars: GrammarCompiler | None = None  # made by the first structured request
+        self._grammars_lock = threading.Lock()
         log.info(
             "engine: %d KV blocks of %d tokens (%.1f MiB), device %s, %s",
             num_blocks,
@@ -187,7 +191,24 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        return Request(str(rid), text, ids, params, max_tokens, now())
+        spec = params.structured_outputs
+        grammar = None if spec is None else self.grammars.matcher(spec)  # GrammarError: a ValueError
+        return Request(str(rid), text, ids, params, max_tokens, now(), grammar)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output grammars of this engine's tokenizer (thread-safe)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                ec = self.engine_config
+                self._grammars = GrammarCompiler(
+                    self.tokenizer,
+                    self.model_config.vocab_size,
+                    self.eos_token_ids,
+                    ec.grammar_cache_size,
+                    ec.grammar_compile_timeout,
+                )
+            return self._grammars
 
     def add_request(
         self, request_id: str | None, prompt: str | list[int] | Request, params: SamplingParams | None = None
@@ -201,7 +222,10 @@ class LLMEngine:
             0,
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens),
             self._generator(req.params.seed, 0),
+            req.grammar,
         )
+        if req.grammar is not None:
+            self.metrics.on_structured_request(req.params.structured_outputs.kind)
         seq.pending_forks = req.params.n - 1
         self._drift_credit += self.engine_config.drift_sample
         if self._drift_credit >= 1:
@@ -288,7 +312,10 @@ class LLMEngine:
                     targets.append(child)
             if rows != list(range(len(ready))):
                 logits = logits[torch.tensor(rows, device=logits.device, dtype=torch.long)]
-            result = sample(logits, targets, self.eos_token_ids) if targets else None
+            # After the forward is launched: on CUDA the masks are computed while it runs.
+            result = (
+                sample(logits, targets, self.eos_token_ids, self._token_masks(targets)) if targets else None
+            )
             t = now()
             counts: dict[str, int] = {}
             for k, seq in enumerate(targets):
@@ -310,6 +337,15 @@ class LLMEngine:
             outputs.append(make_output(req))
         self._update_gauges()
         return outputs
+
+    def _token_masks(self, targets: list[Sequence]) -> TokenMasks | None:
+        rows = [k for k, seq in enumerate(targets) if seq.grammar is not None]
+        if not rows:
+            return None
+        t = now()
+        bitmask = self.grammars.fill_masks([targets[k].grammar for k in rows])
+        self.metrics.on_token_masks(len(rows), now() - t)
+        return TokenMasks(rows, bitmask)
 
     def _observe_prompt_score(self, seq: Sequence) -> None:
         """The prompt is prefilled: its bits per byte, in evaluate's unit (NLL in bits over

@@ -127,6 +127,20 @@ class EngineMetrics:
             buckets=_BPB_BUCKETS,
             registry=r,
         )
+        self.structured_requests = Counter(
+            "lmops:structured_output_requests",
+            "Requests whose output follows a grammar, by kind (json, json_object, regex, choice, grammar).",
+            ["kind"],
+            registry=r,
+        )
+        self.masked_tokens = Counter(
+            "lmops:structured_output_tokens", "Tokens drawn under a grammar's mask.", registry=r
+        )
+        self.mask_seconds = Counter(
+            "lmops:structured_output_mask_seconds",
+            "Time spent computing grammar masks (per token: divide by lmops:structured_output_tokens).",
+            registry=r,
+        )
         self.reference_bpb: Gauge | None = None  # created only when the model has a reference
         # vLLM's cache_config_info: the cache's shape as labels (value 1), which the
         # Inference Gateway's prefix-cache producer reads to size its blocks and index.
@@ -181,6 +195,13 @@ class EngineMetrics:
         m.last_token_time = t
         m.num_generation_tokens += count
         self.generation_tokens.inc(count)
+
+    def on_structured_request(self, kind: str) -> None:
+        self.structured_requests.labels(kind=kind).inc()
+
+    def on_token_masks(self, count: int, seconds: float) -> None:
+        self.masked_tokens.inc(count)
+        self.mask_seconds.inc(seconds)
 
     def on_first_scheduled(self, m: RequestMetrics, t: float) -> None:
         m.first_scheduled_time = t

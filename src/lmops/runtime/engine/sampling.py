@@ -1,10 +1,11 @@
 """Sampling parameters, validated on construction, and the batched sampler.
 
-The sampler follows vLLM's order: logit bias and min_tokens -> penalties -> temperature -> min_p -> top_k -> top_p ->
-draw. A draw is `argmax(p / q)` with q ~ Exp(1) (the "exponential race", an exact
-sample from p); a seeded request takes its q from its own generator, so its tokens
-do not depend on what else shares the batch. Logprobs are those of the raw model
-distribution (before penalties and temperature), as in vLLM.
+The sampler follows vLLM's order: logit bias and min_tokens -> penalties -> the grammar's
+token mask (structured outputs) -> temperature -> min_p -> top_k -> top_p -> draw. A draw
+is `argmax(p / q)` with q ~ Exp(1) (the "exponential race", an exact sample from p); a
+seeded request takes its q from its own generator, so its tokens do not depend on what else
+shares the batch. Logprobs are those of the raw model distribution (before penalties,
+the mask and temperature), as in vLLM.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from lmops.errors import LmopsError
+from lmops.runtime.engine.grammar import StructuredOutputs
 from lmops.runtime.generation_config import GENERATION_FILE, default_sampling_fields
 
 MAX_LOGPROBS = 20
@@ -106,6 +108,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # in the output text
     # OpenAI's: token id -> a bias in [-100, 100] added to its logit before sampling.
     logit_bias: dict[int, float] | None = None
+    # vLLM's: the output follows a JSON schema, regex, choice or grammar (engine/grammar.py).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, allowed: str) -> None:
@@ -152,6 +156,15 @@ class SamplingParams:
             f"a map of token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
         )
         self.logit_bias = dict(self.logit_bias or {})
+        need(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs",
+            "a StructuredOutputs or None",
+        )
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with structured_outputs: the grammar says where the output ends"
+            )
 
     @classmethod
     def from_model_dir(
@@ -283,15 +296,43 @@ def apply_biases(
     return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
 
 
+@dataclass
+class TokenMasks:
+    """The allowed next tokens of the constrained rows of a batch."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # (len(rows), ceil(V / 32)) int32
+
+
+def apply_token_masks(logits: torch.Tensor, masks: TokenMasks | None) -> torch.Tensor:
+    """Tokens outside a row's grammar made impossible (the bitmask is llguidance's: bit j of
+    word w allows token 32 * w + j)."""
+    if masks is None:
+        return logits
+    dev, V = logits.device, logits.shape[1]
+    shifts = torch.arange(32, device=dev, dtype=torch.int32)
+    bits = (masks.bitmask.to(dev)[:, :, None] >> shifts) & 1
+    allowed = bits.view(len(masks.rows), -1)[:, :V].bool()
+    rows = torch.tensor(masks.rows, device=dev)
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(~allowed, -math.inf)
+    return logits
+
+
 def sample(
-    logits: torch.Tensor, seqs: list[SampleInput], eos_token_ids: frozenset[int] = frozenset()
+    logits: torch.Tensor,
+    seqs: list[SampleInput],
+    eos_token_ids: frozenset[int] = frozenset(),
+    masks: TokenMasks | None = None,
 ) -> SampleResult:
-    """One token per row of `logits` (N, V); row i belongs to `seqs[i]`."""
+    """One token per row of `logits` (N, V); row i belongs to `seqs[i]`, and `masks` limit
+    the constrained rows to their grammar's tokens."""
     logits = logits.float()
     params = [s.params for s in seqs]
     raw_logprobs = torch.log_softmax(logits, -1) if any(p.logprobs is not None for p in params) else None
     logits = apply_biases(logits, seqs, eos_token_ids)
     logits = apply_penalties(logits, seqs)
+    logits = apply_token_masks(logits, masks)
     greedy = [p.greedy for p in params]
     if all(greedy):
         tokens = argmax(logits)

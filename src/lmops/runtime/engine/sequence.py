@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import copy
 import enum
+import logging
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 from tokenizers import Tokenizer
 
 from lmops.runtime.engine.metrics import RequestMetrics
 from lmops.runtime.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 # Prompt tokens decoded ahead of the first output token: tokenizers whose decoding
 # depends on the left neighbour (leading-space handling) then render it correctly.
@@ -94,8 +98,11 @@ class Sequence:
         index: int,
         detok: IncrementalDetokenizer,
         generator: torch.Generator | None,
+        grammar: llguidance.LLMatcher | None = None,
     ):
         self.seq_id, self.request, self.index = seq_id, request, index
+        # Structured outputs: the grammar's state after this sequence's output tokens.
+        self.grammar = grammar
         self.params: SamplingParams = request.params
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -152,7 +159,8 @@ class Sequence:
 
     def fork(self, seq_id: int, index: int, generator: torch.Generator | None) -> Sequence:
         """A sibling completion at the same point, sharing (by reference) the KV blocks."""
-        child = Sequence(seq_id, self.request, index, self.detok.copy(), generator)
+        grammar = None if self.grammar is None else self.grammar.deep_copy()
+        child = Sequence(seq_id, self.request, index, self.detok.copy(), generator, grammar)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.block_table = list(self.block_table)
@@ -162,7 +170,8 @@ class Sequence:
         return child
 
     def append(self, token_id: int, logprob: dict | None, eos_ids: frozenset[int], max_tokens: int) -> None:
-        """Record a sampled token: text, stop strings, stop tokens (none before min_tokens), length limit."""
+        """Record a sampled token: text, stop strings, stop tokens (none before min_tokens), the
+        grammar's end (nothing may follow: "stop", even at the length limit), length limit."""
         p = self.params
         self.token_ids.append(token_id)
         if self.logprobs is not None:
@@ -172,9 +181,20 @@ class Sequence:
             self.text += self.detok.flush()  # the stop token's own text is not part of the output
             self._finish("stop", token_id)
             return
+        if self.grammar is not None and not self.grammar.consume_token(token_id):
+            # the mask forbids such a token, so this is a bug: end this sequence, not the engine
+            log.error(
+                "sequence %d: token %d breaks its grammar: %s",
+                self.seq_id,
+                token_id,
+                self.grammar.get_error(),
+            )
+            self._finish("abort", None)
+            return
+        complete = self.grammar is not None and self.grammar.is_stopped()
         start = self.visible
         self.text += self.detok.add(token_id)
-        if self.num_output_tokens >= max_tokens:
+        if complete or self.num_output_tokens >= max_tokens:
             self.text += self.detok.flush()
         for s in p.stop if may_stop else ():
             at = self.text.find(s, max(0, start - len(s) + 1))
@@ -182,6 +202,9 @@ class Sequence:
                 self.text = self.text[: at + len(s) if p.include_stop_str_in_output else at]
                 self._finish("stop", s)
                 return
+        if complete:
+            self._finish("stop", None)
+            return
         if self.num_output_tokens >= max_tokens:
             self._finish("length", None)
             return
@@ -206,9 +229,11 @@ class Request:
         params: SamplingParams,
         max_tokens: int,
         arrival_time: float,
+        grammar: llguidance.LLMatcher | None = None,
     ):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.params, self.max_tokens = params, max_tokens
+        self.grammar = grammar  # the first sequence's; its siblings copy it when they fork
         self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.seqs: list[Sequence] = []
         # vLLM's prompt_logprobs: None for the first token (nothing predicts it), then one
