@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import BIN, TINY_PARAMS, make_project, run, write_params
+from tests.integration.test_cli import assert_clean_error
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +73,16 @@ def project(tmp_path_factory):
     write_params(project, {"train": {"max_steps": 100}}, base=project / "params.yaml")
     stages(project, "tokenize", "train", "evaluate")
     return project
+
+
+def test_unit_results_that_are_not_the_metrics_ones_stop_promote(project):
+    """What a kill between evaluate's writes of units.csv and metrics.json leaves."""
+    units = project / "artifacts/eval/units.csv"
+    kept = units.read_text()
+    units.write_text(kept.rsplit("\n", 2)[0] + "\n")  # one unit short
+    refused = run([str(BIN / "lmops"), "promote"], project, check=False)
+    assert_clean_error(refused, "units.csv is not the one artifacts/metrics.json was measured with")
+    units.write_text(kept)
 
 
 def test_a_candidate_worse_on_one_slice_is_refused_and_the_slice_named(project):

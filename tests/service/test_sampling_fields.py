@@ -64,4 +64,4 @@ def test_an_invalid_deployment_default_fails_the_load_naming_it(model_dir):
     while runtime.state == "loading" and time.monotonic() < deadline:
         time.sleep(0.05)
     assert runtime.state == "failed"
-    assert "generation_config.json: temperature must be" in runtime.error and "\n" not in runtime.error
+    assert "LMOPS_GENERATION_CONFIG: temperature must be" in runtime.error and "\n" not in runtime.error

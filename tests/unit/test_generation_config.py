@@ -50,9 +50,14 @@ def test_no_file_means_the_engine_defaults(tmp_path):
     assert SamplingParams.from_model_dir(tmp_path, {"do_sample": False}).greedy
 
 
-def test_an_invalid_default_is_one_error_naming_the_file(directory):
-    with pytest.raises(LmopsError, match=rf"^{directory / GENERATION_FILE}: temperature must be"):
+def test_an_invalid_value_is_one_error_naming_where_it_came_from(directory):
+    with pytest.raises(LmopsError, match=r"^LMOPS_GENERATION_CONFIG: temperature must be"):
         SamplingParams.from_model_dir(directory, {"temperature": 5})
+    with pytest.raises(LmopsError, match=r"^the sampling fields given: top_p must be"):
+        SamplingParams.from_model_dir(directory, {"temperature": 0.5}, top_p=7.0)
+    (directory / GENERATION_FILE).write_text('{"do_sample": true, "temperature": 5}')
+    with pytest.raises(LmopsError, match=rf"^{directory / GENERATION_FILE}: temperature must be"):
+        SamplingParams.from_model_dir(directory, {"temperature": 0.5})  # the file's, however overridden
     (directory / GENERATION_FILE).write_text("[1]")
     with pytest.raises(LmopsError, match=r"generation_config\.json: unreadable generation config"):
         default_sampling_fields(directory)

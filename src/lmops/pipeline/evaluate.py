@@ -282,8 +282,12 @@ def fetch_units(run_id: str, key: str) -> list[dict] | None:
 def read_test_split(data_dir: Path = PROCESSED_DIR) -> tuple[Path, str]:
     """The test split's path and its sha256 (what makes two measurements comparable)."""
     path = split_path(data_dir, "test")
+    return path, file_sha256(path)
+
+
+def file_sha256(path: Path) -> str:
     with open(path, "rb") as fh:
-        return path, hashlib.file_digest(fh, "sha256").hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def sample_completions(
@@ -312,6 +316,9 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
     metrics["val_loss"] = meta.metrics.get("val_loss")
     metrics["test_split_sha256"] = selection.split_sha256
     metrics["test_units_key"] = selection.key
+    units_text = units_csv(rows)
+    # What promote checks units.csv against: a kill between the two writes below leaves a pair that disagrees.
+    metrics["test_units_sha256"] = hashlib.sha256(units_text.encode()).hexdigest()
 
     # The model's own sampling defaults, as `lmops generate`, the pyfunc and the API use them,
     # seeded so that the stage's output is reproducible.
@@ -327,7 +334,7 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
     for prompt, completion in samples:
         lines += [f"## `{prompt}`", "", fence, prompt + completion, "```", ""]
     atomic.write_text(SAMPLES_FILE, "\n".join(lines))
-    atomic.write_text(UNITS_FILE, units_csv(rows))
+    atomic.write_text(UNITS_FILE, units_text)
     atomic.write_json(METRICS_FILE, metrics)
 
     if meta.run_id:
@@ -335,7 +342,8 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
         # stray point at step 0 to its curve.
         numeric = {k: v for k, v in metrics.items() if k.startswith("test_") and isinstance(v, int | float)}
         with tracking.store_errors(tracking.tracking_uri(params.mlflow)):
-            tracking.log_metrics(meta.run_id, numeric)
+            link = tracking.model_link(meta.run_id, "test", selection.split_sha256)
+            tracking.log_metrics(meta.run_id, numeric, link=link)
             tracking.client().log_artifact(meta.run_id, str(SAMPLES_FILE))
             tracking.client().log_artifact(meta.run_id, str(METRICS_FILE))
             log_units(meta.run_id, UNITS_FILE, selection.key)

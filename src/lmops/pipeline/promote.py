@@ -32,6 +32,7 @@ from lmops.pipeline import checks, gate, latency, tracking
 from lmops.pipeline.evaluate import (
     UnitSelection,
     fetch_units,
+    file_sha256,
     log_units,
     read_units,
     score_model_dir,
@@ -258,6 +259,10 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
     if metrics.get("test_units_key") != selection.key:
         raise LmopsError(
             f"{METRICS_FILE} was measured on other test units (evaluate's params): run `lmops evaluate` again"
+        )
+    if not UNITS_FILE.is_file() or metrics.get("test_units_sha256") != file_sha256(UNITS_FILE):
+        raise LmopsError(
+            f"{UNITS_FILE} is not the one {METRICS_FILE} was measured with: run `lmops evaluate` again"
         )
     candidate_rows = read_units(UNITS_FILE)
     score = float(metrics[METRIC])

@@ -189,10 +189,13 @@ def log_data_report(run_id: str, path: Path = DATA_REPORT_FILE) -> None:
     log_metrics(run_id, metrics)
 
 
-def log_metrics(run_id: str, metrics: dict[str, float | None], step: int = 0) -> None:
+def log_metrics(
+    run_id: str, metrics: dict[str, float | None], step: int = 0, link: dict | None = None
+) -> None:
+    """`link`: the logged model and dataset the metrics are of (`model_link`)."""
     Metric = _mlflow().entities.Metric
     now = int(time.time() * 1000)
-    batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+    batch = [Metric(k, float(v), now, step, **(link or {})) for k, v in metrics.items() if v is not None]
     client().log_batch(run_id, metrics=batch)
 
 
@@ -283,23 +286,30 @@ def link_model_to_splits(run_id: str, step: int) -> None:
     Same key, step, value and timestamp, so the run's curves gain no point; the logged model's
     page lists its "Datasets used" from these links (MLflow 3 keeps no other dataset-to-model
     edge)."""
-    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
-
     c = client()
-    datasets = {}  # by context
-    for i in c.get_run(run_id).inputs.dataset_inputs:
-        datasets[{t.key: t.value for t in i.tags}.get(MLFLOW_DATASET_CONTEXT)] = i.dataset
-    model_id = logged_model_uri(run_id).removeprefix("models:/")
     Metric = _mlflow().entities.Metric
     batch = []
     for split, key in SPLIT_CURVES.items():
-        d = datasets.get(SPLIT_CONTEXTS[split])
-        if d is None:
+        link = model_link(run_id, split)
+        if "dataset_name" not in link:
             continue
-        link = {"model_id": model_id, "dataset_name": d.name, "dataset_digest": d.digest}
         points = [m for m in c.get_metric_history(run_id, key) if m.step == step]
         batch += [Metric(m.key, m.value, m.timestamp, m.step, **link) for m in points]
     c.log_batch(run_id, metrics=batch)
+
+
+def model_link(run_id: str, split: str, sha256: str | None = None) -> dict:
+    """What ties a metric to the run's logged model and to the `split` dataset the run logged
+    (when it did, and, given `sha256`, when that is still the split measured): the logged
+    model's page then lists the metric with its data."""
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    link = {"model_id": logged_model_uri(run_id).removeprefix("models:/")}
+    for i in client().get_run(run_id).inputs.dataset_inputs:
+        context = {t.key: t.value for t in i.tags}.get(MLFLOW_DATASET_CONTEXT)
+        if context == SPLIT_CONTEXTS[split] and (sha256 is None or i.dataset.digest == sha256[:DIGEST_CHARS]):
+            link.update(dataset_name=i.dataset.name, dataset_digest=i.dataset.digest)
+    return link
 
 
 def predict_signature(model_dir: Path):

@@ -173,10 +173,17 @@ class SamplingParams:
         """The sampling the model asks for (its generation config, `overrides`:
         generation-config keys such as a deployment's LMOPS_GENERATION_CONFIG, on top), and
         `fields` (a caller's explicit choices) on top of both: every door's one route."""
-        try:
-            return cls(**{**default_sampling_fields(directory, overrides), **fields})
-        except ValueError as exc:
-            raise LmopsError(f"{Path(directory) / GENERATION_FILE}: {exc}") from None
+        layers = [(str(Path(directory) / GENERATION_FILE), default_sampling_fields(directory))]
+        if overrides:
+            layers.append(("LMOPS_GENERATION_CONFIG", default_sampling_fields(directory, overrides)))
+        if fields:
+            layers.append(("the sampling fields given", {**layers[-1][1], **fields}))
+        for where, given in layers:  # an invalid value is named where it came from
+            try:
+                sampling = cls(**given)
+            except ValueError as exc:
+                raise LmopsError(f"{where}: {exc}") from None
+        return sampling
 
     @property
     def greedy(self) -> bool:
