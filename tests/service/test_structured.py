@@ -14,6 +14,8 @@ import openai
 import pydantic
 import pytest
 
+from tests.conftest import make_tiny_model_dir
+from tests.service.conftest import start_server
 from tests.service.test_app import assert_error, sse_events
 
 MESSAGES = [{"role": "user", "content": "Describe a person."}]
@@ -209,3 +211,42 @@ def test_openai_sdk_parse_and_extra_body_against_gunicorn(server):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     with pytest.raises(openai.BadRequestError, match="guided_regex: no longer supported"):
         oai.completions.create(model="lmops-tiny", prompt="x", extra_body={"guided_regex": "a"})
+
+
+@pytest.mark.slow
+def test_openai_sdk_tool_calls_round_trip_against_gunicorn(tmp_path):
+    """The README's tool-call example, streamed and not, then the tool's answer sent back,
+    on a replica whose model has room for the tools' description (1024 tokens of context)."""
+    model_dir = make_tiny_model_dir(tmp_path / "lmops-tiny", max_seq_len=1024)
+    server = start_server(model_dir, tmp_path / "server.log")
+    try:
+        tool_round_trip(openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=30))
+    finally:
+        server.stop()
+
+
+def tool_round_trip(oai: openai.OpenAI) -> None:
+    city = {"type": "string", "maxLength": 8}  # the call fits in max_tokens, whatever is sampled
+    weather = {"type": "object", "properties": {"city": city}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": weather}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    ask = {"model": "lmops-tiny", "tools": tools, "max_tokens": 200, "seed": 3, "parallel_tool_calls": False}
+    done = oai.chat.completions.create(**ask, messages=messages, tool_choice="required")
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "weather"
+    jsonschema.validate(json.loads(call.function.arguments), weather)
+
+    stream = oai.chat.completions.create(**ask, messages=messages, tool_choice="required", stream=True)
+    streamed = [c for c in stream if c.choices]
+    deltas = [d for c in streamed for d in c.choices[0].delta.tool_calls or []]
+    assert [d.function.arguments for d in deltas] == [call.function.arguments]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+    answer = oai.chat.completions.create(
+        **{**ask, "max_tokens": 8},
+        messages=[*messages, choice.message, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}],
+        tool_choice="none",
+    )
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
