@@ -181,6 +181,11 @@ def test_mlflow_ui_links_open_on_the_runs_and_the_models(project):
         run_name = re.search(r"newest run (\S+):", printed).group(1)
         ready()
         dom = render(urls[0], REPORTS / "mlflow-ui.png")
+        if "Something went wrong" in visible_text(dom):
+            # The page's requests run on virtual time: on a host at load 7 one CI run saw a
+            # request give up before a busy single-worker server answered, and the page show
+            # its error boundary. A second load meets a warm server; a broken page fails twice.
+            dom = render(urls[0], REPORTS / "mlflow-ui.png")
         run_page, query = urls[1].split("?")
         charts = visible_text(render(f"{run_page}/model-metrics?{query}", REPORTS / "mlflow-run-charts.png"))
     # the run's charts open on the section of the two loss curves, before MLflow's
