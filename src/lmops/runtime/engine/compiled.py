@@ -7,7 +7,7 @@ sequences than the largest size) takes the runner's eager path.
 CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs
 for the GPU are not written yet (nothing here could test them), so CUDA stays eager.
 
-The graph is `FusedForward` itself, traced with a decode-only attention whose shapes are
+The graph is forward.py's `FusedForward` itself, traced with a decode-only attention whose shapes are
 fixed per batch size except the block-table width (symbolic, so contexts of any length
 share one graph). It returns the step's K/V, which the runner writes into the pool after
 the graph; padding rows write theirs into a scratch block that the engine reserves past
@@ -32,13 +32,12 @@ import torch.nn.functional as F
 
 import lmops
 from lmops import atomic
+from lmops.runtime.engine.forward import FusedForward
 from lmops.runtime.engine.kv_cache import KVPool
 from lmops.runtime.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from torch._dynamo.aot_compile import AOTCompiledFunction
-
-    from lmops.runtime.engine.runner import FusedForward
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +149,7 @@ class CompiledDecode:
         """Logits (B, vocab) and the step's K/V of every layer, (layers, 2 * Hkv, B, D)."""
         attn = DecodeAttention(self.pool.kv, tables, meta[3])
         h = self.forward(meta[0], meta[1], attn)
-        h = self.forward._norm(h, self.forward.model.model.norm.weight)
-        return F.linear(h, self.forward.model.lm_head.weight).float(), torch.stack(attn.new_kv)
+        return self.forward.logits(h), torch.stack(attn.new_kv)
 
     def _run(self, seqs: list[Sequence], size: int) -> torch.Tensor:
         meta, tables = self._inputs(seqs, size)

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from lmops.runtime.engine.scheduler import ScheduledBatch
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read these unchanged.
 # fmt: off
@@ -172,15 +176,22 @@ class EngineMetrics:
         m.prompt_bits_per_byte = bits_per_byte
         self.prompt_bpb.observe(bits_per_byte)
 
-    def on_schedule(
-        self, *, preemptions: int, prefix_queries: int, prefix_hits: int, prompt_tokens: int
-    ) -> None:
+    def on_schedule(self, batch: ScheduledBatch, t: float) -> None:
+        """A step's schedule: requests scheduled for the first time (queue time, cached and
+        prompt tokens), preemptions, prefix-cache lookups."""
         self.steps.inc()
-        if preemptions:
-            self.preemptions.inc(preemptions)
-        if prefix_queries:
-            self.prefix_queries.inc(prefix_queries)
-            self.prefix_hits.inc(prefix_hits)
+        prompt_tokens = 0
+        for seq in batch.admitted:
+            m = seq.request.metrics
+            if m.first_scheduled_time is None:
+                self.on_first_scheduled(m, t)
+                m.num_cached_tokens = seq.num_computed_tokens
+                prompt_tokens += m.num_prompt_tokens
+        if batch.preempted:
+            self.preemptions.inc(len(batch.preempted))
+        if batch.prefix_queries:
+            self.prefix_queries.inc(batch.prefix_queries)
+            self.prefix_hits.inc(batch.prefix_hits)
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
 

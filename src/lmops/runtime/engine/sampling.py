@@ -187,6 +187,15 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
+def seeded_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
+    """Completion `index`'s generator of a request seeded with `seed` (None: unseeded)."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed((seed if index == 0 else hash((seed, index))) & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
 class SampleInput(Protocol):
     """What the sampler reads from each row's sequence."""
 

@@ -6,6 +6,10 @@ what is left is prefilled in chunks over several steps) and `max_num_seqs`. Bloc
 are allocated as tokens are scheduled; when none are left, the newest running
 sequence is preempted: its blocks are freed and it waits at the head of the queue
 to be recomputed (its cached prefix blocks usually survive, so that is cheap).
+
+`update` is the step's other half: it applies what the runner computed and the sampler
+drew (tokens appended, prompt scores recorded, finished sequences freed), as nano-vllm's
+`postprocess` and vLLM's `update_from_output`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lmops.runtime.engine.kv_cache import BlockManager
-from lmops.runtime.engine.sequence import Sequence, Status
+from lmops.runtime.engine.sampling import SampleResult
+from lmops.runtime.engine.sequence import PromptScores, Request, Sequence, Status
 
 
 @dataclass
@@ -26,16 +31,40 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # Indices into `seqs` of the sequences that reach their last token this step: the runner
+    # returns one logits row for each, in this order.
+    ready: list[int] = field(default_factory=list)
+    # Who draws a token from which of those rows: a ready sequence, and after it the siblings
+    # an n > 1 request forks from it at its first sample (they share its row).
+    samples: list[Sequence] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    # Ready sequences (with their forks) that asked for prompt log-probs only (max_tokens 0).
+    prompt_only: list[Sequence] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
 
 
+@dataclass
+class StepUpdate:
+    """What a step changed: the requests it touched (in order) and the tokens each gained."""
+
+    requests: dict[str, Request] = field(default_factory=dict)
+    new_tokens: dict[str, int] = field(default_factory=dict)
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -70,7 +99,57 @@ class Scheduler:
                 budget -= n
         if not batch.preempted:  # blocks are short: admitting more would only thrash
             budget = self._admit(batch, budget)
+        self._plan_samples(batch)
         return batch
+
+    def _plan_samples(self, batch: ScheduledBatch) -> None:
+        """Which rows the runner returns and who samples from them. Forks happen here, after
+        every allocation of the step (so a fresh sibling is never a preemption victim)."""
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                continue
+            row = len(batch.ready)
+            batch.ready.append(i)
+            family = [seq, *self._fork(seq)]
+            if seq.request.max_tokens == 0:  # prompt log-probs only: nothing to sample
+                batch.prompt_only.extend(family)
+                continue
+            batch.samples.extend(family)
+            batch.sample_rows.extend([row] * len(family))
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """At the first sample of an n > 1 request: siblings sharing the prompt's blocks."""
+        children = [parent.fork(i) for i in range(1, parent.pending_forks + 1)]
+        for child in children:
+            child.num_computed_tokens = parent.num_tokens  # the prompt this very step computes
+            self.bm.share(parent)
+            self.running.append(child)
+            parent.request.seqs.append(child)
+        parent.pending_forks = 0
+        return children
+
+    def update(
+        self, batch: ScheduledBatch, scores: list[PromptScores], sampled: SampleResult | None
+    ) -> StepUpdate:
+        """Apply a step: the scheduled tokens are computed, the prompt scores recorded, the
+        sampled tokens appended; finished sequences leave the queues and free their blocks."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        for score in scores:
+            score.seq.add_prompt_scores(score)
+        update = StepUpdate()
+        for seq in batch.prompt_only:
+            seq.finish_prompt_only()
+            self.remove(seq)
+            update.requests.setdefault(seq.request.request_id, seq.request)
+        for k, seq in enumerate(batch.samples):
+            req = seq.request
+            seq.append(sampled.token_ids[k], sampled.logprobs[k], self.eos_token_ids, req.max_tokens)
+            if seq.is_finished:
+                self.remove(seq)
+            update.requests.setdefault(req.request_id, req)
+            update.new_tokens[req.request_id] = update.new_tokens.get(req.request_id, 0) + 1
+        return update
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0:
@@ -109,10 +188,6 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
-
-    def add_running(self, seq: Sequence) -> None:
-        """A fork that shares its parent's blocks joins the running batch directly."""
-        self.running.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""
