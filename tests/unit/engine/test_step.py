@@ -25,7 +25,7 @@ def test_the_runner_computes_and_update_applies(model_dir, prompts, all_blocks_f
     assert state(engine) == before  # pure computation: nothing written into the sequences
     assert output.logits.shape == (2, engine.model_config.vocab_size)
     assert {score.seq.request.request_id for score in output.prompt_scores} == {"scored", "plain"}
-    sampled = engine._sample(batch, output.logits)
+    sampled = engine._sample(batch, output)
     update = engine.scheduler.update(batch, output.prompt_scores, sampled)
     assert state(engine) != before
     assert update.new_tokens == {"scored": 1, "plain": 1}
@@ -47,7 +47,7 @@ def test_forks_sample_their_parents_row(model_dir, prompts, all_blocks_free):
     assert engine.block_manager.blocks[parent.block_table[0]].ref_count == 3
     output = engine.runner.execute(batch)
     assert output.logits.shape[0] == 1  # one forward row for the three completions
-    engine.scheduler.update(batch, output.prompt_scores, engine._sample(batch, output.logits))
+    engine.scheduler.update(batch, output.prompt_scores, engine._sample(batch, output))
     assert [s.num_output_tokens for s in engine.requests["n3"].seqs] == [1, 1, 1]
     assert all(s.num_computed_tokens == len(prompts[4]) for s in engine.requests["n3"].seqs)
     while engine.has_unfinished_requests():

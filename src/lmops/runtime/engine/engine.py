@@ -22,7 +22,7 @@ from lmops.runtime.engine.config import EngineConfig
 from lmops.runtime.engine.grammar import GrammarCompiler
 from lmops.runtime.engine.kv_cache import BlockManager, KVPool
 from lmops.runtime.engine.metrics import EngineMetrics, now
-from lmops.runtime.engine.runner import ModelRunner
+from lmops.runtime.engine.runner import ModelRunner, RunnerOutput
 from lmops.runtime.engine.sampling import SampleResult, SamplingParams, TokenMasks, sample, seeded_generator
 from lmops.runtime.engine.scheduler import ScheduledBatch, Scheduler, StepUpdate
 from lmops.runtime.engine.sequence import (
@@ -268,7 +268,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         self.metrics.on_schedule(batch, now())
         output = self.runner.execute(batch)
-        sampled = self._sample(batch, output.logits)
+        sampled = self._sample(batch, output)
         update = self.scheduler.update(batch, output.prompt_scores, sampled)
         self._record(batch, update, now())
         outputs = []
@@ -279,11 +279,18 @@ class LLMEngine:
                 outputs.append(make_output(req))
         return outputs
 
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> SampleResult | None:
-        """A token for each of `batch.samples`, from its row of `logits`. The grammar masks
-        are computed here, after the forward is launched: on CUDA, while it runs."""
+    def _sample(self, batch: ScheduledBatch, output: RunnerOutput) -> SampleResult | None:
+        """A token for each of `batch.samples`, from its row of the logits: the argmax the
+        graph computed where every row is plain greedy, else the sampler's draw. The grammar
+        masks are computed here, after the forward is launched: on CUDA, while it runs."""
         if not batch.samples:
             return None
+        if output.argmax is not None and all(
+            s.params.plain_greedy and s.grammar is None for s in batch.samples
+        ):
+            tokens = output.argmax.tolist()
+            return SampleResult([tokens[r] for r in batch.sample_rows], [None] * len(batch.samples))
+        logits = output.logits
         if batch.sample_rows != list(range(len(logits))):
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
         return sample(logits, batch.samples, self.eos_token_ids, self._token_masks(batch.samples))

@@ -50,6 +50,7 @@ class RunnerOutput:
 
     logits: torch.Tensor
     prompt_scores: list[PromptScores]
+    argmax: torch.Tensor | None = None  # the logits' argmax, where the compiled graph computed it
 
 
 @dataclass
@@ -235,8 +236,8 @@ class ModelRunner:
         if not seqs:
             return RunnerOutput(torch.empty(0, vocab, device=self.device), [])
         self.pool.copy_blocks(batch.copies)
-        if self.decode is not None and (logits := self.decode.run(seqs, num_new)) is not None:
-            return RunnerOutput(logits, [])
+        if self.decode is not None and (decoded := self.decode.run(seqs, num_new)) is not None:
+            return RunnerOutput(decoded[0], [], decoded[1])
         input_ids, positions, attn, last = self.prepare(seqs, num_new)
         with sdpa_kernel(_SDPA_BACKENDS):
             h = self.forward(input_ids, positions, attn)

@@ -183,6 +183,18 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def plain_greedy(self) -> bool:
+        """The draw is the raw logits' argmax: greedy, and nothing changes or reports the logits
+        (a grammar's mask is the sequence's, not these params')."""
+        return (
+            self.greedy
+            and self.logprobs is None
+            and not self.logit_bias
+            and not self.min_tokens
+            and not self.has_penalties
+        )
+
+    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
