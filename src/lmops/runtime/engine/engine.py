@@ -23,7 +23,14 @@ from lmops.runtime.engine.grammar import GrammarCompiler
 from lmops.runtime.engine.kv_cache import BlockManager, KVPool
 from lmops.runtime.engine.metrics import EngineMetrics, now
 from lmops.runtime.engine.runner import ModelRunner, RunnerOutput
-from lmops.runtime.engine.sampling import SampleResult, SamplingParams, TokenMasks, sample, seeded_generator
+from lmops.runtime.engine.sampling import (
+    SampleResult,
+    SamplingParams,
+    TokenMasks,
+    argmax,
+    sample,
+    seeded_generator,
+)
 from lmops.runtime.engine.scheduler import ScheduledBatch, Scheduler, StepUpdate
 from lmops.runtime.engine.sequence import (
     IncrementalDetokenizer,
@@ -82,7 +89,11 @@ class LLMEngine:
         self.pool = KVPool(cfg, num_blocks + bool(compile_up_to), self.block_size, self.device, self.dtype)
         self.block_manager = BlockManager(num_blocks, self.block_size, engine_config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, self.max_num_seqs, self.max_num_batched_tokens, self.eos_token_ids
+            self.block_manager,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.eos_token_ids,
+            engine_config.num_speculative_tokens,
         )
         self.runner = ModelRunner(model, self.pool, compile_up_to)
         self.reset_metrics()
@@ -293,7 +304,24 @@ class LLMEngine:
         logits = output.logits
         if batch.sample_rows != list(range(len(logits))):
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
-        return sample(logits, batch.samples, self.eos_token_ids, self._token_masks(batch.samples))
+        result = sample(logits, batch.samples, self.eos_token_ids, self._token_masks(batch.samples))
+        for k, seq in enumerate(batch.samples):
+            if seq.draft:
+                self._verify(seq, output.logits, batch.sample_rows[k], result, k)
+        return result
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, row: int, result: SampleResult, k: int) -> None:
+        """Greedy verification of seq's draft: rows `row - len(draft)` .. `row - 1` hold the
+        logits after its last token and after each draft token. Keep the draft's longest
+        prefix that their argmax agrees with; the token after it is the argmax where the two
+        part, else (all kept) the sampler's draw from `row`. So the output is greedy's own."""
+        d = len(seq.draft)
+        target = argmax(logits[row - d : row]).tolist()
+        kept = next((j for j in range(d) if target[j] != seq.draft[j]), d)
+        result.accepted[k] = seq.draft[:kept]
+        if kept < d:
+            result.token_ids[k] = target[kept]
+        self.metrics.on_speculation(d, kept)
 
     def _record(self, batch: ScheduledBatch, update: StepUpdate, t: float) -> None:
         """The step's metrics: tokens, prompts scored whole (the drift signal), finished

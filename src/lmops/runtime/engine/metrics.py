@@ -145,6 +145,15 @@ class EngineMetrics:
             "Time spent computing grammar masks (per token: divide by lmops:structured_output_tokens).",
             registry=r,
         )
+        # vLLM's speculative-decoding counters: acceptance rate = accepted / draft tokens.
+        self.spec_draft_tokens = Counter(
+            "lmops:spec_decode_num_draft_tokens", "Draft tokens proposed (speculative decoding).", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "lmops:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted (speculative decoding).",
+            registry=r,
+        )
         self.reference_bpb: Gauge | None = None  # created only when the model has a reference
         # vLLM's cache_config_info: the cache's shape as labels (value 1), which the
         # Inference Gateway's prefix-cache producer reads to size its blocks and index.
@@ -213,6 +222,10 @@ class EngineMetrics:
     def on_token_masks(self, count: int, seconds: float) -> None:
         self.masked_tokens.inc(count)
         self.mask_seconds.inc(seconds)
+
+    def on_speculation(self, drafted: int, accepted: int) -> None:
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)
 
     def on_first_scheduled(self, m: RequestMetrics, t: float) -> None:
         m.first_scheduled_time = t

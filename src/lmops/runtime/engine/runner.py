@@ -45,8 +45,9 @@ _MAX_GROUP_QUERY = 64
 
 @dataclass
 class RunnerOutput:
-    """What one step computed: logits (len(batch.ready), vocab) float32 for the sequences
-    due a token, and the prompt positions scored (drift signal, prompt_logprobs)."""
+    """What one step computed: float32 logits for the sequences due a token (one row each, in
+    `batch.ready` order; a drafted one's draft rows first), and the prompt positions scored
+    (drift signal, prompt_logprobs)."""
 
     logits: torch.Tensor
     prompt_scores: list[PromptScores]
@@ -187,7 +188,8 @@ class ModelRunner:
         for i in order:
             s, n = seqs[i], num_new[i]
             start, row = s.num_computed_tokens, len(ids)
-            ids.extend(s.token_ids[start : start + n])
+            ids.extend(s.token_ids[start : start + n - len(s.draft)])
+            ids.extend(s.draft)
             pos.extend(range(start, start + n))
             slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
             last[i] = row + n - 1
@@ -244,7 +246,8 @@ class ModelRunner:
         scores = self.score_prompts(h, seqs, num_new, last) if any(s.scoring for s in seqs) else []
         if not batch.ready:
             return RunnerOutput(h.new_empty(0, vocab, dtype=torch.float32), scores)
-        h = h.index_select(0, torch.tensor([last[i] for i in batch.ready], device=self.device))
+        rows = [r for i in batch.ready for r in range(last[i] - len(seqs[i].draft), last[i] + 1)]
+        h = h.index_select(0, torch.tensor(rows, device=self.device))
         return RunnerOutput(self.forward.logits(h), scores)
 
     def score_prompts(

@@ -10,6 +10,7 @@ the mask and temperature), as in vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,6 +284,8 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict | None]
+    # row -> the draft tokens its verification kept, which come before token_ids[row]
+    accepted: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,19 @@ are allocated as tokens are scheduled; when none are left, the newest running
 sequence is preempted: its blocks are freed and it waits at the head of the queue
 to be recomputed (its cached prefix blocks usually survive, so that is cheap).
 
+With `num_speculative_tokens`, a plain greedy decode also carries a draft (`ngram_draft`:
+prompt lookup, no draft model): its tokens are computed in the same forward as the
+sequence's last token, and the sampler keeps the prefix that greedy decoding would have
+produced anyway (engine.py's `_verify`).
+
 `update` is the step's other half: it applies what the runner computed and the sampler
-drew (tokens appended, prompt scores recorded, finished sequences freed), as nano-vllm's
-`postprocess` and vLLM's `update_from_output`.
+drew (tokens appended, prompt scores recorded, rejected draft tokens rolled back, finished
+sequences freed), as nano-vllm's `postprocess` and vLLM's `update_from_output`.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,7 +38,7 @@ class ScheduledBatch:
     prefix_queries: int = 0
     prefix_hits: int = 0
     # Indices into `seqs` of the sequences that reach their last token this step: the runner
-    # returns one logits row for each, in this order.
+    # returns one logits row for each, in this order (1 + len(draft) rows for a drafted one).
     ready: list[int] = field(default_factory=list)
     # Who draws a token from which of those rows: a ready sequence, and after it the siblings
     # an n > 1 request forks from it at its first sample (they share its row).
@@ -60,11 +66,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        num_speculative_tokens: int = 0,
     ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
+        self.num_speculative_tokens = num_speculative_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -86,6 +94,9 @@ class Scheduler:
                 if seq.seq_id in scheduled or seq.status is not Status.RUNNING or (todo == 1) != decodes:
                     continue
                 n = min(todo, budget)
+                if decodes and self.num_speculative_tokens:
+                    seq.draft = self._draft(seq, budget - 1)
+                    n += len(seq.draft)
                 while (copies := self.bm.allocate(seq, seq.num_computed_tokens + n)) is None:
                     victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
                     self.preempt(victim)
@@ -105,17 +116,31 @@ class Scheduler:
     def _plan_samples(self, batch: ScheduledBatch) -> None:
         """Which rows the runner returns and who samples from them. Forks happen here, after
         every allocation of the step (so a fresh sibling is never a preemption victim)."""
+        rows = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             if seq.num_computed_tokens + n < seq.num_tokens:
                 continue
-            row = len(batch.ready)
             batch.ready.append(i)
+            rows += 1 + len(seq.draft)
+            row = rows - 1  # a drafted sequence samples from the row after its draft
             family = [seq, *self._fork(seq)]
             if seq.request.max_tokens == 0:  # prompt log-probs only: nothing to sample
                 batch.prompt_only.extend(family)
                 continue
             batch.samples.extend(family)
             batch.sample_rows.extend([row] * len(family))
+
+    def _draft(self, seq: Sequence, room: int) -> list[int]:
+        """Up to `num_speculative_tokens` draft tokens for a plain greedy decode (verifying
+        them needs nothing but the argmax), within `room` tokens of the step's budget, the
+        request's max_tokens, and the free blocks (a draft never causes a preemption)."""
+        if not seq.params.plain_greedy or seq.grammar is not None:
+            return []
+        k = min(self.num_speculative_tokens, room, seq.request.max_tokens - seq.num_output_tokens - 1)
+        draft = ngram_draft(seq.token_ids, k) if k > 0 else []
+        if draft and self.bm.num_new_blocks(seq, seq.num_tokens + len(draft)) > self.bm.num_free_blocks:
+            return []
+        return draft
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """At the first sample of an n > 1 request: siblings sharing the prompt's blocks."""
@@ -144,11 +169,22 @@ class Scheduler:
             update.requests.setdefault(seq.request.request_id, seq.request)
         for k, seq in enumerate(batch.samples):
             req = seq.request
-            seq.append(sampled.token_ids[k], sampled.logprobs[k], self.eos_token_ids, req.max_tokens)
+            accepted, drafted = sampled.accepted.get(k, []), bool(seq.draft)
+            if drafted:  # KV rollback: the rejected tokens' slots are rewritten when reached
+                seq.num_computed_tokens -= len(seq.draft) - len(accepted)
+                seq.draft = []
+            tokens = [*accepted, sampled.token_ids[k]]
+            for j, token in enumerate(tokens):
+                logprob = sampled.logprobs[k] if j == len(tokens) - 1 else None
+                seq.append(token, logprob, self.eos_token_ids, req.max_tokens)
+                update.new_tokens[req.request_id] = update.new_tokens.get(req.request_id, 0) + 1
+                if seq.is_finished:
+                    break
             if seq.is_finished:
                 self.remove(seq)
+            elif drafted:
+                self.bm.truncate(seq, seq.num_tokens)
             update.requests.setdefault(req.request_id, req)
-            update.new_tokens[req.request_id] = update.new_tokens.get(req.request_id, 0) + 1
         return update
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
@@ -176,7 +212,7 @@ class Scheduler:
         return budget
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int, copies) -> None:
-        self.bm.register(seq, seq.num_computed_tokens + n)
+        self.bm.register(seq, min(seq.num_computed_tokens + n, seq.num_tokens))  # not a draft's blocks
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         batch.copies.extend(copies)
@@ -186,6 +222,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
@@ -196,3 +233,20 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq)
+
+
+def ngram_draft(token_ids: list[int], k: int, max_n: int = 3) -> list[int]:
+    """Prompt lookup: the (up to) k tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens, for the longest n <= max_n that occurs; [] if none does.
+    (Searched as bytes: `rfind` is C, a Python scan of a long context is not.)"""
+    buf = array("i", token_ids).tobytes()
+    size = 4  # bytes per token
+    for n in range(min(max_n, len(token_ids) - 1), 0, -1):
+        tail = buf[-n * size :]
+        end = len(buf) - size  # an occurrence that ends before the last token
+        while (at := buf.rfind(tail, 0, end)) >= 0:
+            if at % size == 0:
+                start = at // size + n
+                return token_ids[start : start + k]
+            end = at + len(tail) - 1
+    return []

@@ -128,6 +128,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.status = Status.WAITING
         self.pending_forks = 0
+        # Speculative decoding: tokens proposed for this step after the last one (scheduler.py),
+        # computed with it and kept as far as greedy decoding agrees.
+        self.draft: list[int] = []
         self.generator = generator
         self.detok = detok
         self.text = ""  # decoded output, including a tail held back for stop strings
