@@ -18,6 +18,7 @@ def test_ngram_draft_takes_the_latest_longest_match():
     assert ngram_draft([1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 1, 2, 3], 2) == [7, 6]  # latest of [1, 2, 3]
     assert ngram_draft([5, 1, 7, 2, 1], 4) == [7, 2, 1]  # only the last token recurs
     assert ngram_draft([4, 5, 6], 3) == []
+    assert ngram_draft([8] * 6, 3) == [8, 8, 8]  # not the latest [8, 8, 8], which has one 8 after it
     # 261, 256 are bytes 05 01 00 00 | 00 01 00 00: token 1 (01 00 00 00) is in them, across
     # a token boundary, and is no match.
     assert ngram_draft([261, 256, 1], 3) == []

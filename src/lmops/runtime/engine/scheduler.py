@@ -237,16 +237,19 @@ class Scheduler:
 
 def ngram_draft(token_ids: list[int], k: int, max_n: int = 3) -> list[int]:
     """Prompt lookup: the (up to) k tokens that followed the latest earlier occurrence of the
-    sequence's last n tokens, for the longest n <= max_n that occurs; [] if none does.
-    (Searched as bytes: `rfind` is C, a Python scan of a long context is not.)"""
+    sequence's last n tokens, for the longest n <= max_n that occurs; [] if none does. An
+    occurrence with k tokens after it comes first (in a loop the latest one has only the
+    last token after it). Searched as bytes: `rfind` is C, a Python scan of a long context
+    is not."""
     buf = array("i", token_ids).tobytes()
-    size = 4  # bytes per token
+    size = array("i").itemsize  # bytes per token
     for n in range(min(max_n, len(token_ids) - 1), 0, -1):
         tail = buf[-n * size :]
-        end = len(buf) - size  # an occurrence that ends before the last token
-        while (at := buf.rfind(tail, 0, end)) >= 0:
-            if at % size == 0:
-                start = at // size + n
-                return token_ids[start : start + k]
-            end = at + len(tail) - 1
+        for after in (k, 1):  # tokens the occurrence must leave after it
+            end = len(buf) - after * size
+            while (at := buf.rfind(tail, 0, end)) >= 0:
+                if at % size == 0:
+                    start = at // size + n
+                    return token_ids[start : start + k]
+                end = at + len(tail) - 1
     return []
