@@ -463,3 +463,26 @@ def test_unknown_field_names_the_nearest(client):
     assert "did you mean 'max_tokens'" in error["message"]
     error = assert_error(client.post("/v1/chat/completions", json={"mesages": []}), 400, param="mesages")
     assert "did you mean 'messages'" in error["message"]
+
+
+def test_speculative_decoding_is_a_setting_with_metrics(model_dir, client, monkeypatch):
+    """LMOPS_NUM_SPECULATIVE_TOKENS turns it on; greedy text is unchanged and /metrics has
+    the draft and accepted counts (acceptance rate = their ratio)."""
+    monkeypatch.setenv("LMOPS_NUM_SPECULATIVE_TOKENS", "4")
+    app = load_app(model_dir=model_dir, device="cpu")
+    try:
+        assert app.extensions["lmops"].engine.engine_config.num_speculative_tokens == 4
+        body = {"prompt": "to be or not to be, to be or not to be, to be", "max_tokens": 24, "temperature": 0}
+        spec = app.test_client()
+        text = spec.post("/v1/completions", json=body).get_json()["choices"][0]["text"]
+        assert text == client.post("/v1/completions", json=body).get_json()["choices"][0]["text"]
+        metrics = spec.get("/metrics").get_data(as_text=True)
+        counts = {
+            line.split()[0]: float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith("lmops:spec_decode_num_")
+        }
+        drafted = counts["lmops:spec_decode_num_draft_tokens_total"]
+        assert drafted > 0 and 0 <= counts["lmops:spec_decode_num_accepted_tokens_total"] <= drafted
+    finally:
+        app.extensions["lmops"].shutdown(5)

@@ -7,8 +7,8 @@ unchanged, and parity with `transformers` is a test, not a hope.
 Attention is the one pluggable part: `forward(..., cache=None)` runs plain causal
 attention over whole sequences (training, evaluation); a cache object with an
 `attend(layer, q, k, v)` method decides where keys and values live: the
-contiguous `KVCache` below, the reference that the engine (whose fused forward
-attends over its paged cache itself, engine/runner.py) is tested against.
+contiguous `KVCache` below, the reference that the engine (whose fused forward,
+engine/forward.py, attends over its paged cache itself) is tested against.
 """
 
 from __future__ import annotations
@@ -67,10 +67,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF's Llama computes it: in float32, back to x's dtype, then the weight
+    (the engine's forward calls this too)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ import torch
 
 from lmops.runtime.engine import LLMEngine, SamplingParams
 from lmops.runtime.engine import compiled as compiled_module
+from lmops.runtime.engine import engine as engine_module
 from lmops.runtime.engine.config import EngineConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -41,7 +42,7 @@ def test_compiled_greedy_matches_eager(model_dir, compiled_engine, prompts, all_
     for batch in ([prompts[3]], prompts[4:9]):
         got = [o.token_ids for o in engine.generate(batch, GREEDY)]
         assert got == [o.token_ids for o in eager.generate(batch, GREEDY)]
-    sizes = {len(r) for r in served if r is not None}
+    sizes = {len(r[0]) for r in served if r is not None}
     assert sizes == {1, 2, 3}
     all_blocks_free(engine)
 
@@ -147,3 +148,18 @@ def test_cache_key_follows_the_graphs_structure(model_dir):
     finally:
         torch.set_num_threads(threads)
     assert len(keys) == 4
+
+
+def test_plain_greedy_decodes_take_the_graphs_argmax(compiled_engine, prompts, monkeypatch):
+    """A compiled decode step of plain greedy rows uses the graph's argmax, not the sampler;
+    a row that asks for log-probs still goes through the sampler, to the same tokens."""
+    calls = []
+    real = engine_module.sample
+    monkeypatch.setattr(
+        engine_module, "sample", lambda logits, *a: calls.append(len(logits)) or real(logits, *a)
+    )
+    plain = compiled_engine.generate([prompts[3]], GREEDY)[0]
+    assert calls == [1]  # the prefill's token only (an eager step)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+    assert compiled_engine.generate([prompts[3]], with_logprobs)[0].token_ids == plain.token_ids
+    assert len(calls) == 1 + GREEDY.max_tokens

@@ -26,10 +26,10 @@ def test_cuda_bfloat16_engine_tracks_the_contiguous_path(model_dir, prompts):
     rows = []
     execute = engine.runner.execute
 
-    def spy(seqs, num_new, copies=()):
-        logits = execute(seqs, num_new, copies)
-        rows.append(logits[0].clone())
-        return logits
+    def spy(batch):
+        output = execute(batch)
+        rows.append(output.logits[0].clone())
+        return output
 
     engine.runner.execute = spy
     p = prompts[9]

@@ -3,10 +3,14 @@ paged path's logits == the contiguous KVCache path's, under every scheduling reg
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.engine.forward import FusedForward
 from lmops.runtime.engine.kv_cache import KVPool
 from lmops.runtime.model import KVCache
 
@@ -74,14 +78,14 @@ def test_chunked_prefill(model_dir, prompts, references, all_blocks_free):
     chunks = []
     execute = engine.runner.execute
 
-    def spy(seqs, num_new, copies=()):
+    def spy(batch):
         chunks.extend(
             n
-            for s, n in zip(seqs, num_new, strict=True)
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
             if n > 1 and s.num_computed_tokens + n < s.num_tokens
         )
-        assert sum(num_new) <= 20
-        return execute(seqs, num_new, copies)
+        assert sum(batch.num_new_tokens) <= 20
+        return execute(batch)
 
     engine.runner.execute = spy
     outs = engine.generate(prompts[8:], GREEDY)
@@ -116,9 +120,9 @@ def test_n_completions_share_prompt_blocks(model_dir, prompts, references, all_b
     copies = []
     execute = engine.runner.execute
 
-    def spy(seqs, num_new, cow=()):
-        copies.extend(cow)
-        return execute(seqs, num_new, cow)
+    def spy(batch):
+        copies.extend(batch.copies)
+        return execute(batch)
 
     engine.runner.execute = spy
     p = prompts[4]  # 36 tokens: the prompt's last block is partly filled
@@ -136,12 +140,12 @@ def test_paged_logits_equal_contiguous_logits(model_dir, ref_model, prompts):
     seen: dict[int, list[tuple[int, torch.Tensor]]] = {}
     execute = engine.runner.execute
 
-    def spy(seqs, num_new, copies=()):
-        logits = execute(seqs, num_new, copies)
-        ends = [s for s, n in zip(seqs, num_new, strict=True) if s.num_computed_tokens + n == s.num_tokens]
-        for s, row in zip(ends, logits, strict=True):
+    def spy(batch):
+        output = execute(batch)
+        for i, row in zip(batch.ready, output.logits, strict=True):
+            s = batch.seqs[i]
             seen.setdefault(s.seq_id, []).append((s.num_tokens - 1, row.clone()))
-        return logits
+        return output
 
     engine.runner.execute = spy
     groups = []
@@ -175,3 +179,25 @@ def test_paged_logits_equal_contiguous_logits(model_dir, ref_model, prompts):
             checked += 1
     assert checked == sum(len(v) for v in seen.values()) >= 8 * 20
     assert (5, 2) in groups  # the grouped path for multi-token queries really ran
+
+
+def causal(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention over one packed sequence, in forward.py's layout."""
+    k, v = kv.transpose(0, 1)[None].chunk(2, 1)
+    y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, enable_gqa=True)
+    return y[0].transpose(0, 1)
+
+
+def test_fused_forward_is_the_models_forward(ref_model, prompts):
+    """forward.py restates model.py's layers (fused projections, RoPE from a table): with
+    the same attention, the same logits; and the check sees the last token's RoPE one
+    position off (shifting every position would not do: RoPE only sees distances)."""
+    fused = FusedForward(copy.deepcopy(ref_model))  # it re-points the copy's weights
+    ids = torch.tensor(prompts[9])
+    positions = torch.arange(len(ids))
+    with torch.no_grad():
+        want = ref_model(ids[None])[0][0]
+        got = fused.logits(fused(ids, positions, causal))
+        shifted = fused.logits(fused(ids, torch.cat((positions[:-1], positions[-1:] + 1)), causal))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert not torch.allclose(shifted, want, atol=1e-3, rtol=0)

@@ -7,7 +7,7 @@ sequences than the largest size) takes the runner's eager path.
 CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs
 for the GPU are not written yet (nothing here could test them), so CUDA stays eager.
 
-The graph is `FusedForward` itself, traced with a decode-only attention whose shapes are
+The graph is forward.py's `FusedForward` itself, traced with a decode-only attention whose shapes are
 fixed per batch size except the block-table width (symbolic, so contexts of any length
 share one graph). It returns the step's K/V, which the runner writes into the pool after
 the graph; padding rows write theirs into a scratch block that the engine reserves past
@@ -32,13 +32,12 @@ import torch.nn.functional as F
 
 import lmops
 from lmops import atomic
+from lmops.runtime.engine.forward import FusedForward
 from lmops.runtime.engine.kv_cache import KVPool
 from lmops.runtime.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from torch._dynamo.aot_compile import AOTCompiledFunction
-
-    from lmops.runtime.engine.runner import FusedForward
 
 log = logging.getLogger(__name__)
 
@@ -146,20 +145,20 @@ class CompiledDecode:
         step.disable_guard_check()
         return step
 
-    def _eager_step(self, meta, tables) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits (B, vocab) and the step's K/V of every layer, (layers, 2 * Hkv, B, D)."""
+    def _eager_step(self, meta, tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits (B, vocab), their argmax (B,) (a greedy row's draw, without the sampler's
+        dispatches), and the step's K/V of every layer, (layers, 2 * Hkv, B, D)."""
         attn = DecodeAttention(self.pool.kv, tables, meta[3])
-        h = self.forward(meta[0], meta[1], attn)
-        h = self.forward._norm(h, self.forward.model.model.norm.weight)
-        return F.linear(h, self.forward.model.lm_head.weight).float(), torch.stack(attn.new_kv)
+        logits = self.forward.logits(self.forward(meta[0], meta[1], attn))
+        return logits, logits.argmax(-1), torch.stack(attn.new_kv)
 
-    def _run(self, seqs: list[Sequence], size: int) -> torch.Tensor:
+    def _run(self, seqs: list[Sequence], size: int) -> tuple[torch.Tensor, torch.Tensor]:
         meta, tables = self._inputs(seqs, size)
-        logits, new_kv = self._steps[size](self, meta, tables)
+        logits, argmax, new_kv = self._steps[size](self, meta, tables)
         kv = self.pool.kv
         L, H2, nb, bs, D = kv.shape
         kv.view(L, H2, nb * bs, D).index_copy_(2, meta[2], new_kv)
-        return logits[: len(seqs)]
+        return logits[: len(seqs)], argmax[: len(seqs)]
 
     def _inputs(self, seqs: list[Sequence], size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(4, size): ids, positions, slots, context lengths; (size, width) block tables;
@@ -181,8 +180,8 @@ class CompiledDecode:
         tables = [t + [self.scratch_block] * (width - len(t)) for t in tables]
         return torch.tensor(meta, device=self.device), torch.tensor(tables, device=self.device)
 
-    def run(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor | None:
-        """Logits (len(seqs), vocab) if this is a decode step it serves, else None."""
+    def run(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Logits (len(seqs), vocab) and their argmax if this is a decode step it serves, else None."""
         if len(seqs) > self.sizes[-1] or any(n != 1 for n in num_new):
             return None
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):

@@ -64,6 +64,10 @@ class EngineConfig:
     # take to compile before its request is refused.
     grammar_cache_size: int = 64
     grammar_compile_timeout: float = 5.0
+    # Speculative decoding of plain greedy requests: up to this many tokens a step proposed by
+    # prompt lookup (n-gram matches in the sequence's own tokens) and verified in the same
+    # forward; the output is greedy's own. 0 disables it.
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "grammar_cache_size"):
@@ -72,6 +76,9 @@ class EngineConfig:
             raise ValueError(f"drift_sample must be a number in [0, 1], got {self.drift_sample!r}")
         if not 0 <= self.drift_sample <= 1:
             raise ValueError(f"drift_sample must be in [0, 1], got {self.drift_sample!r}")
+        n = self.num_speculative_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {n!r}")
         check_quantization(self.quantization)
         timeout = self.grammar_compile_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:

@@ -6,7 +6,6 @@ it through `EngineLoop` (loop.py), whose background thread is that owner.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -23,9 +22,16 @@ from lmops.runtime.engine.config import EngineConfig
 from lmops.runtime.engine.grammar import GrammarCompiler
 from lmops.runtime.engine.kv_cache import BlockManager, KVPool
 from lmops.runtime.engine.metrics import EngineMetrics, now
-from lmops.runtime.engine.runner import ModelRunner
-from lmops.runtime.engine.sampling import SamplingParams, TokenMasks, sample
-from lmops.runtime.engine.scheduler import Scheduler
+from lmops.runtime.engine.runner import ModelRunner, RunnerOutput
+from lmops.runtime.engine.sampling import (
+    SampleResult,
+    SamplingParams,
+    TokenMasks,
+    argmax,
+    sample,
+    seeded_generator,
+)
+from lmops.runtime.engine.scheduler import ScheduledBatch, Scheduler, StepUpdate
 from lmops.runtime.engine.sequence import (
     IncrementalDetokenizer,
     Request,
@@ -82,11 +88,16 @@ class LLMEngine:
         compile_up_to = self.max_num_seqs if engine_config.compile and self.device.type == "cpu" else 0
         self.pool = KVPool(cfg, num_blocks + bool(compile_up_to), self.block_size, self.device, self.dtype)
         self.block_manager = BlockManager(num_blocks, self.block_size, engine_config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.eos_token_ids,
+            engine_config.num_speculative_tokens,
+        )
         self.runner = ModelRunner(model, self.pool, compile_up_to)
         self.reset_metrics()
         self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
         # Drift sampling is systematic (every 1/drift_sample-th request), so runs are reproducible.
         self._drift_credit = 0.0
         self._token_bytes = token_byte_lengths(tokenizer) if engine_config.drift_sample > 0 else None
@@ -217,11 +228,10 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         seq = Sequence(
-            next(self._seq_ids),
             req,
             0,
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens),
-            self._generator(req.params.seed, 0),
+            seeded_generator(req.params.seed, 0, self.device),
             req.grammar,
         )
         if req.grammar is not None:
@@ -235,13 +245,6 @@ class LLMEngine:
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
         return req.request_id
-
-    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
-        if seed is None:
-            return None
-        g = torch.Generator(device=self.device)
-        g.manual_seed((seed if index == 0 else hash((seed, index))) & 0xFFFF_FFFF_FFFF_FFFF)
-        return g
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; its final output (finish_reason "abort")."""
@@ -271,72 +274,67 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; outputs of the requests that advanced."""
+        """One iteration, nano-vllm's schedule -> run -> postprocess (vLLM's schedule ->
+        execute_model -> update_from_output): outputs of the requests that advanced."""
         batch = self.scheduler.schedule()
-        t = now()
-        prompt_tokens = 0
-        for seq in batch.admitted:
-            m = seq.request.metrics
-            if m.first_scheduled_time is None:
-                self.metrics.on_first_scheduled(m, t)
-                m.num_cached_tokens = seq.num_computed_tokens
-                prompt_tokens += m.num_prompt_tokens
-        self.metrics.on_schedule(
-            preemptions=len(batch.preempted),
-            prefix_queries=batch.prefix_queries,
-            prefix_hits=batch.prefix_hits,
-            prompt_tokens=prompt_tokens,
-        )
-        touched: dict[str, Request] = {}
-        if batch.seqs:
-            logits = self.runner.execute(batch.seqs, batch.num_new_tokens, batch.copies)
-            ready = []
-            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                seq.num_computed_tokens += n
-                if seq.score_prompt and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                    self._observe_prompt_score(seq)
-                if seq.num_computed_tokens == seq.num_tokens:
-                    ready.append(seq)
-            rows, targets = [], []
-            for j, seq in enumerate(ready):
-                if seq.request.max_tokens == 0:  # prompt log-probs only: nothing to sample
-                    for s in (seq, *self._fork(seq)):
-                        s.finish_prompt_only()
-                        self.scheduler.remove(s)
-                        touched.setdefault(s.request.request_id, s.request)
-                    continue
-                rows.append(j)
-                targets.append(seq)
-                for child in self._fork(seq):
-                    rows.append(j)
-                    targets.append(child)
-            if rows != list(range(len(ready))):
-                logits = logits[torch.tensor(rows, device=logits.device, dtype=torch.long)]
-            # After the forward is launched: on CUDA the masks are computed while it runs.
-            result = (
-                sample(logits, targets, self.eos_token_ids, self._token_masks(targets)) if targets else None
-            )
-            t = now()
-            counts: dict[str, int] = {}
-            for k, seq in enumerate(targets):
-                req = seq.request
-                seq.append(result.token_ids[k], result.logprobs[k], self.eos_token_ids, req.max_tokens)
-                if seq.is_finished:
-                    self.scheduler.remove(seq)
-                touched.setdefault(req.request_id, req)
-                counts[req.request_id] = counts.get(req.request_id, 0) + 1
-            for rid, count in counts.items():
-                self.metrics.on_tokens(touched[rid].metrics, t, count)
+        self.metrics.on_schedule(batch, now())
+        output = self.runner.execute(batch)
+        sampled = self._sample(batch, output)
+        update = self.scheduler.update(batch, output.prompt_scores, sampled)
+        self._record(batch, update, now())
         outputs = []
-        for rid, req in touched.items():
+        for rid, req in update.requests.items():
             if req.finished:
                 del self.requests[rid]
-                self.metrics.on_finished(req.metrics, req.seqs[0].finish_reason, t)
-            elif req.final_only:
-                continue
-            outputs.append(make_output(req))
-        self._update_gauges()
+            if req.finished or not req.final_only:
+                outputs.append(make_output(req))
         return outputs
+
+    def _sample(self, batch: ScheduledBatch, output: RunnerOutput) -> SampleResult | None:
+        """A token for each of `batch.samples`, from its row of the logits: the argmax the
+        graph computed where every row is plain greedy, else the sampler's draw. The grammar
+        masks are computed here, after the forward is launched: on CUDA, while it runs."""
+        if not batch.samples:
+            return None
+        if output.argmax is not None and all(
+            s.params.plain_greedy and s.grammar is None for s in batch.samples
+        ):
+            tokens = output.argmax.tolist()
+            return SampleResult([tokens[r] for r in batch.sample_rows], [None] * len(batch.samples))
+        logits = output.logits
+        if batch.sample_rows != list(range(len(logits))):
+            logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
+        result = sample(logits, batch.samples, self.eos_token_ids, self._token_masks(batch.samples))
+        for k, seq in enumerate(batch.samples):
+            if seq.draft:
+                self._verify(seq, output.logits, batch.sample_rows[k], result, k)
+        return result
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, row: int, result: SampleResult, k: int) -> None:
+        """Greedy verification of seq's draft: rows `row - len(draft)` .. `row - 1` hold the
+        logits after its last token and after each draft token. Keep the draft's longest
+        prefix that their argmax agrees with; the token after it is the argmax where the two
+        part, else (all kept) the sampler's draw from `row`. So the output is greedy's own."""
+        d = len(seq.draft)
+        target = argmax(logits[row - d : row]).tolist()
+        kept = next((j for j in range(d) if target[j] != seq.draft[j]), d)
+        result.accepted[k] = seq.draft[:kept]
+        if kept < d:
+            result.token_ids[k] = target[kept]
+        self.metrics.on_speculation(d, kept)
+
+    def _record(self, batch: ScheduledBatch, update: StepUpdate, t: float) -> None:
+        """The step's metrics: tokens, prompts scored whole (the drift signal), finished
+        requests, and the gauges."""
+        for rid, count in update.new_tokens.items():
+            self.metrics.on_tokens(update.requests[rid].metrics, t, count)
+        for seq in batch.seqs:
+            if seq.score_prompt and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._observe_prompt_score(seq)
+        for req in update.requests.values():
+            if req.finished:
+                self.metrics.on_finished(req.metrics, req.seqs[0].finish_reason, t)
+        self._update_gauges()
 
     def _token_masks(self, targets: list[Sequence]) -> TokenMasks | None:
         rows = [k for k, seq in enumerate(targets) if seq.grammar is not None]
@@ -354,18 +352,6 @@ class LLMEngine:
         n_bytes = int(self._token_bytes[seq.token_ids[1 : seq.num_prompt_tokens]].sum())
         if n_bytes:
             self.metrics.on_prompt_scored(seq.request.metrics, seq.prompt_nll / math.log(2) / n_bytes)
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """At the first sample of an n > 1 request: siblings sharing the prompt's blocks."""
-        children = []
-        for i in range(1, parent.pending_forks + 1):
-            child = parent.fork(next(self._seq_ids), i, self._generator(parent.params.seed, i))
-            self.block_manager.share(parent)
-            self.scheduler.add_running(child)
-            parent.request.seqs.append(child)
-            children.append(child)
-        parent.pending_forks = 0
-        return children
 
     def _update_gauges(self) -> None:
         self.metrics.set_state(

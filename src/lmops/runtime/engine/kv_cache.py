@@ -210,6 +210,14 @@ class BlockManager:
                 self.cached.setdefault(h, b.block_id)
             seq.block_hashes.append(h)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Release seq's blocks past those `num_tokens` tokens need (rejected draft tokens'),
+        tail first; they were never registered, so nothing cached is lost."""
+        keep = self.blocks_for(num_tokens)
+        for bid in reversed(seq.block_table[keep:]):
+            self._release(bid)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks, tail first, so its last blocks are evicted before its prefix."""
         for bid in reversed(seq.block_table):

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from lmops.runtime.engine.scheduler import ScheduledBatch
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read these unchanged.
 # fmt: off
@@ -141,6 +145,15 @@ class EngineMetrics:
             "Time spent computing grammar masks (per token: divide by lmops:structured_output_tokens).",
             registry=r,
         )
+        # vLLM's speculative-decoding counters: acceptance rate = accepted / draft tokens.
+        self.spec_draft_tokens = Counter(
+            "lmops:spec_decode_num_draft_tokens", "Draft tokens proposed (speculative decoding).", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "lmops:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted (speculative decoding).",
+            registry=r,
+        )
         self.reference_bpb: Gauge | None = None  # created only when the model has a reference
         # vLLM's cache_config_info: the cache's shape as labels (value 1), which the
         # Inference Gateway's prefix-cache producer reads to size its blocks and index.
@@ -172,15 +185,22 @@ class EngineMetrics:
         m.prompt_bits_per_byte = bits_per_byte
         self.prompt_bpb.observe(bits_per_byte)
 
-    def on_schedule(
-        self, *, preemptions: int, prefix_queries: int, prefix_hits: int, prompt_tokens: int
-    ) -> None:
+    def on_schedule(self, batch: ScheduledBatch, t: float) -> None:
+        """A step's schedule: requests scheduled for the first time (queue time, cached and
+        prompt tokens), preemptions, prefix-cache lookups."""
         self.steps.inc()
-        if preemptions:
-            self.preemptions.inc(preemptions)
-        if prefix_queries:
-            self.prefix_queries.inc(prefix_queries)
-            self.prefix_hits.inc(prefix_hits)
+        prompt_tokens = 0
+        for seq in batch.admitted:
+            m = seq.request.metrics
+            if m.first_scheduled_time is None:
+                self.on_first_scheduled(m, t)
+                m.num_cached_tokens = seq.num_computed_tokens
+                prompt_tokens += m.num_prompt_tokens
+        if batch.preempted:
+            self.preemptions.inc(len(batch.preempted))
+        if batch.prefix_queries:
+            self.prefix_queries.inc(batch.prefix_queries)
+            self.prefix_hits.inc(batch.prefix_hits)
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
 
@@ -202,6 +222,10 @@ class EngineMetrics:
     def on_token_masks(self, count: int, seconds: float) -> None:
         self.masked_tokens.inc(count)
         self.mask_seconds.inc(seconds)
+
+    def on_speculation(self, drafted: int, accepted: int) -> None:
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)
 
     def on_first_scheduled(self, m: RequestMetrics, t: float) -> None:
         m.first_scheduled_time = t

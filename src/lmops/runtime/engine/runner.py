@@ -9,11 +9,7 @@ tables. Sequences with the same small number of new tokens (decodes: 1; short pr
 tails after a prefix-cache hit) go in groups of similar context length, each served by
 one index_select of their blocks and one attention call; fresh prompts use causal
 attention on their own K/V; long chunks after cached context, one sequence at a time.
-
-`FusedForward` is model.py's `Llama.hidden_states`, restated for this packed layout with
-Q/K/V and gate/up projections fused, RoPE from a precomputed table, and no nn.Module
-dispatch: at batch size 1 a decode step is mostly per-op overhead, and this halves it.
-Its output equals model.py's (the parity tests compare logits to 1e-5).
+The layers' math is forward.py's, which the compiled decode graph (compiled.py) runs too.
 """
 
 from __future__ import annotations
@@ -26,9 +22,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmops.runtime.engine.compiled import CompiledDecode
+from lmops.runtime.engine.forward import FusedForward
 from lmops.runtime.engine.kv_cache import KVPool
-from lmops.runtime.engine.sequence import Sequence
-from lmops.runtime.model import Llama, rope_cos_sin
+from lmops.runtime.engine.scheduler import ScheduledBatch
+from lmops.runtime.engine.sequence import PromptScores, Sequence
+from lmops.runtime.model import Llama
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +41,17 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 
 # Groups only for short query runs: the mask is (members, G * n, context).
 _MAX_GROUP_QUERY = 64
+
+
+@dataclass
+class RunnerOutput:
+    """What one step computed: float32 logits for the sequences due a token (one row each, in
+    `batch.ready` order; a drafted one's draft rows first), and the prompt positions scored
+    (drift signal, prompt_logprobs)."""
+
+    logits: torch.Tensor
+    prompt_scores: list[PromptScores]
+    argmax: torch.Tensor | None = None  # the logits' argmax, where the compiled graph computed it
 
 
 @dataclass
@@ -114,84 +123,6 @@ class PagedAttention:
         return y.view(Hkv, B, G, n, D).permute(1, 3, 0, 2, 4).reshape(rows, H, D)
 
 
-class FusedForward:
-    """model.py's forward over a packed batch, with fused projections.
-
-    The fused weights are built once, and the model's own q/k/v and gate/up parameters
-    are re-pointed to views of them: no second copy of the weights, and model.py's
-    forward (used by references and tests) keeps working on the same numbers. (Those
-    views share storage, so save such a model with `.clone()`d tensors, not directly.)
-    """
-
-    def __init__(self, model: Llama):
-        cfg = model.config
-        self.model = model
-        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.n_kv_heads, cfg.head_dim
-        self.inter, self.eps = cfg.intermediate_size, cfg.norm_eps
-        self.layers = []
-        with torch.no_grad():
-            for layer in model.model.layers:
-                a, mlp = layer.self_attn, layer.mlp
-                qkv = _fuse(a.q_proj, a.k_proj, a.v_proj)
-                gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
-                self.layers.append(
-                    (
-                        layer.input_layernorm.weight,
-                        qkv,
-                        a.o_proj.weight,
-                        layer.post_attention_layernorm.weight,
-                        gate_up,
-                        mlp.down_proj.weight,
-                    )
-                )
-        device = qkv.device
-        cos, sin = rope_cos_sin(torch.arange(cfg.max_seq_len, device=device), cfg.head_dim, cfg.rope_theta)
-        half = cfg.head_dim // 2
-        self.cos = cos  # (max_len, D) float32
-        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), 1)
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # RMSNorm exactly as model.py computes it (in float32, back to the model dtype).
-        xf = x.float()
-        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention
-    ) -> torch.Tensor:
-        """(T,) ids and positions -> (T, n_embd) final hidden states."""
-        H, Hkv, D, inter = self.n_head, self.n_kv, self.head_dim, self.inter
-        T = input_ids.shape[0]
-        x = F.embedding(input_ids, self.model.model.embed_tokens.weight)
-        dtype = x.dtype
-        # RoPE for the H query and Hkv key heads; identity (cos 1, sin 0) for the V heads, so
-        # one elementwise pass rotates q and k and leaves K and V adjacent for the cache write.
-        # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated).
-        cos = self.cos.index_select(0, positions).to(dtype)[:, None]
-        sin = self.sin_signed.index_select(0, positions).to(dtype)[:, None]
-        cos = torch.cat((cos.expand(T, H + Hkv, D), cos.new_ones(T, Hkv, D)), 1)
-        sin = torch.cat((sin.expand(T, H + Hkv, D), sin.new_zeros(T, Hkv, D)), 1)
-        for i, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
-            qkv = F.linear(self._norm(x, w_in), w_qkv).view(T, H + 2 * Hkv, D)
-            x1, x2 = qkv.chunk(2, dim=-1)
-            qkv = torch.addcmul(torch.cat((x2, x1), dim=-1).mul_(sin), qkv, cos)
-            y = attn(i, qkv[:, :H], qkv[:, H:])
-            x = x + F.linear(y.reshape(T, H * D), w_o)
-            gu = F.linear(self._norm(x, w_post), w_gu)
-            x.add_(F.linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down))
-        return x
-
-
-def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
-    """One weight stacking the linears' rows; each linear's weight becomes a view into it."""
-    fused = torch.cat([lin.weight.detach() for lin in linears])
-    start = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight.data = fused[start : start + n]
-        start += n
-    return fused
-
-
 def context_groups(
     segs: list[tuple[int, int]], block_size: int, max_pad: float = _MAX_PAD_FRACTION, max_elems: int = 1 << 22
 ) -> list[tuple[int, int]]:
@@ -257,7 +188,8 @@ class ModelRunner:
         for i in order:
             s, n = seqs[i], num_new[i]
             start, row = s.num_computed_tokens, len(ids)
-            ids.extend(s.token_ids[start : start + n])
+            ids.extend(s.token_ids[start : start + n - len(s.draft)])
+            ids.extend(s.draft)
             pos.extend(range(start, start + n))
             slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
             last[i] = row + n - 1
@@ -298,35 +230,32 @@ class ModelRunner:
         return meta[0], meta[1], attn, last
 
     @torch.inference_mode()
-    def execute(
-        self, seqs: list[Sequence], num_new: list[int], copies: list[tuple[int, int]] = ()
-    ) -> torch.Tensor:
-        """Run the step; float32 logits, one row per sequence that reaches its last token
-        (`num_computed_tokens + num_new == num_tokens`), in `seqs` order."""
-        self.pool.copy_blocks(list(copies))
-        if self.decode is not None and (logits := self.decode.run(seqs, num_new)) is not None:
-            return logits
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Run the step: float32 logits, one row per sequence of `batch.ready`, and the
+        scores of the prompt positions this step's rows predict (for sequences `scoring`)."""
+        seqs, num_new = batch.seqs, batch.num_new_tokens
+        vocab = self.model.config.vocab_size
+        if not seqs:
+            return RunnerOutput(torch.empty(0, vocab, device=self.device), [])
+        self.pool.copy_blocks(batch.copies)
+        if self.decode is not None and (decoded := self.decode.run(seqs, num_new)) is not None:
+            return RunnerOutput(decoded[0], [], decoded[1])
         input_ids, positions, attn, last = self.prepare(seqs, num_new)
         with sdpa_kernel(_SDPA_BACKENDS):
             h = self.forward(input_ids, positions, attn)
-        if any(s.scoring for s in seqs):
-            self._score_prompts(h, seqs, num_new, last)
-        want = [last[i] for i, s in enumerate(seqs) if s.num_computed_tokens + num_new[i] == s.num_tokens]
-        if not want:
-            return h.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        h = h.index_select(0, torch.tensor(want, device=self.device))
-        return self._logits(h)
+        scores = self.score_prompts(h, seqs, num_new, last) if any(s.scoring for s in seqs) else []
+        if not batch.ready:
+            return RunnerOutput(h.new_empty(0, vocab, dtype=torch.float32), scores)
+        rows = [r for i in batch.ready for r in range(last[i] - len(seqs[i].draft), last[i] + 1)]
+        h = h.index_select(0, torch.tensor(rows, device=self.device))
+        return RunnerOutput(self.forward.logits(h), scores)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.forward._norm(h, self.model.model.norm.weight)).float()
-
-    def _score_prompts(
+    def score_prompts(
         self, h: torch.Tensor, seqs: list[Sequence], num_new: list[int], last: dict[int, int]
-    ) -> None:
+    ) -> list[PromptScores]:
         """The prompt's log-probs, riding on the prefill: for each sequence that is `scoring`,
-        the log-prob of every prompt token this step's rows predict, summed into
-        `seq.prompt_nll` (the drift signal) and, with prompt_logprobs asked, appended to the
-        request's `prompt_logprobs` with its rank and top alternatives. Only those rows go
+        the log-prob of every prompt token this step's rows predict, with its rank and (when
+        some request asked for prompt_logprobs) the top alternatives. Only those rows go
         through the LM head (in slices, bounding the logits' memory)."""
         rows, targets, spans = [], [], []
         for i, s in enumerate(seqs):
@@ -335,17 +264,16 @@ class ModelRunner:
             if not s.scoring or lo >= hi:
                 continue
             first = last[i] - num_new[i] + 1  # the row of position `start`
-            spans.append((s, len(rows), hi - lo))
+            spans.append((s, lo, len(rows), hi - lo))
             rows.extend(range(first + lo - start, first + hi - start))
             targets.extend(s.token_ids[lo + 1 : hi + 1])
-            s.num_scored = hi
         if not rows:
-            return
-        k = max(s.request.params.prompt_logprobs or 0 for s, _, _ in spans)
+            return []
+        k = max(s.request.params.prompt_logprobs or 0 for s, *_ in spans)
         rows_t, targets_t = torch.tensor(rows, device=self.device), torch.tensor(targets, device=self.device)
         chosen, ranks, top_vals, top_ids = [], [], [], []
         for a in range(0, len(rows), 512):
-            logprobs = torch.log_softmax(self._logits(h[rows_t[a : a + 512]]), -1)
+            logprobs = torch.log_softmax(self.forward.logits(h[rows_t[a : a + 512]]), -1)
             lp = logprobs.gather(1, targets_t[a : a + 512, None])
             chosen.append(lp[:, 0])
             ranks.append((logprobs > lp).sum(-1) + 1)
@@ -354,14 +282,16 @@ class ModelRunner:
                 top_vals.append(v)
                 top_ids.append(t)
         chosen_l, ranks_l = torch.cat(chosen).tolist(), torch.cat(ranks).tolist()
-        if k:
-            top_vals, top_ids = torch.cat(top_vals).tolist(), torch.cat(top_ids).tolist()
-        for s, at, n in spans:
-            if s.score_prompt:
-                s.prompt_nll -= sum(chosen_l[at : at + n])
-            out, want = s.request.prompt_logprobs, s.request.params.prompt_logprobs
-            if out is None:
-                continue
-            for j in range(at, at + n):
-                top = dict(zip(top_ids[j][:want], top_vals[j][:want], strict=True)) if want else {}
-                out.append({"token_id": targets[j], "logprob": chosen_l[j], "rank": ranks_l[j], "top": top})
+        top_vals = torch.cat(top_vals).tolist() if k else [[]] * len(rows)
+        top_ids = torch.cat(top_ids).tolist() if k else [[]] * len(rows)
+        return [
+            PromptScores(
+                s,
+                lo,
+                chosen_l[at : at + n],
+                ranks_l[at : at + n],
+                top_ids[at : at + n],
+                top_vals[at : at + n],
+            )
+            for s, lo, at, n in spans
+        ]

@@ -10,6 +10,7 @@ the mask and temperature), as in vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,8 +191,29 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def plain_greedy(self) -> bool:
+        """The draw is the raw logits' argmax: greedy, and nothing changes or reports the logits
+        (a grammar's mask is the sequence's, not these params')."""
+        return (
+            self.greedy
+            and self.logprobs is None
+            and not self.logit_bias
+            and not self.min_tokens
+            and not self.has_penalties
+        )
+
+    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def seeded_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
+    """Completion `index`'s generator of a request seeded with `seed` (None: unseeded)."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed((seed if index == 0 else hash((seed, index))) & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
 
 
 class SampleInput(Protocol):
@@ -269,6 +291,8 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict | None]
+    # row -> the draft tokens its verification kept, which come before token_ids[row]
+    accepted: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -6,15 +6,26 @@ what is left is prefilled in chunks over several steps) and `max_num_seqs`. Bloc
 are allocated as tokens are scheduled; when none are left, the newest running
 sequence is preempted: its blocks are freed and it waits at the head of the queue
 to be recomputed (its cached prefix blocks usually survive, so that is cheap).
+
+With `num_speculative_tokens`, a plain greedy decode also carries a draft (`ngram_draft`:
+prompt lookup, no draft model): its tokens are computed in the same forward as the
+sequence's last token, and the sampler keeps the prefix that greedy decoding would have
+produced anyway (engine.py's `_verify`).
+
+`update` is the step's other half: it applies what the runner computed and the sampler
+drew (tokens appended, prompt scores recorded, rejected draft tokens rolled back, finished
+sequences freed), as nano-vllm's `postprocess` and vLLM's `update_from_output`.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
 from lmops.runtime.engine.kv_cache import BlockManager
-from lmops.runtime.engine.sequence import Sequence, Status
+from lmops.runtime.engine.sampling import SampleResult
+from lmops.runtime.engine.sequence import PromptScores, Request, Sequence, Status
 
 
 @dataclass
@@ -26,16 +37,42 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # Indices into `seqs` of the sequences that reach their last token this step: the runner
+    # returns one logits row for each, in this order (1 + len(draft) rows for a drafted one).
+    ready: list[int] = field(default_factory=list)
+    # Who draws a token from which of those rows: a ready sequence, and after it the siblings
+    # an n > 1 request forks from it at its first sample (they share its row).
+    samples: list[Sequence] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    # Ready sequences (with their forks) that asked for prompt log-probs only (max_tokens 0).
+    prompt_only: list[Sequence] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
 
 
+@dataclass
+class StepUpdate:
+    """What a step changed: the requests it touched (in order) and the tokens each gained."""
+
+    requests: dict[str, Request] = field(default_factory=dict)
+    new_tokens: dict[str, int] = field(default_factory=dict)
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        num_speculative_tokens: int = 0,
+    ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
+        self.num_speculative_tokens = num_speculative_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -57,6 +94,9 @@ class Scheduler:
                 if seq.seq_id in scheduled or seq.status is not Status.RUNNING or (todo == 1) != decodes:
                     continue
                 n = min(todo, budget)
+                if decodes and self.num_speculative_tokens:
+                    seq.draft = self._draft(seq, budget - 1)
+                    n += len(seq.draft)
                 while (copies := self.bm.allocate(seq, seq.num_computed_tokens + n)) is None:
                     victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
                     self.preempt(victim)
@@ -70,7 +110,82 @@ class Scheduler:
                 budget -= n
         if not batch.preempted:  # blocks are short: admitting more would only thrash
             budget = self._admit(batch, budget)
+        self._plan_samples(batch)
         return batch
+
+    def _plan_samples(self, batch: ScheduledBatch) -> None:
+        """Which rows the runner returns and who samples from them. Forks happen here, after
+        every allocation of the step (so a fresh sibling is never a preemption victim)."""
+        rows = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                continue
+            batch.ready.append(i)
+            rows += 1 + len(seq.draft)
+            row = rows - 1  # a drafted sequence samples from the row after its draft
+            family = [seq, *self._fork(seq)]
+            if seq.request.max_tokens == 0:  # prompt log-probs only: nothing to sample
+                batch.prompt_only.extend(family)
+                continue
+            batch.samples.extend(family)
+            batch.sample_rows.extend([row] * len(family))
+
+    def _draft(self, seq: Sequence, room: int) -> list[int]:
+        """Up to `num_speculative_tokens` draft tokens for a plain greedy decode (verifying
+        them needs nothing but the argmax), within `room` tokens of the step's budget, the
+        request's max_tokens, and the free blocks (a draft never causes a preemption)."""
+        if not seq.params.plain_greedy or seq.grammar is not None:
+            return []
+        k = min(self.num_speculative_tokens, room, seq.request.max_tokens - seq.num_output_tokens - 1)
+        draft = ngram_draft(seq.token_ids, k) if k > 0 else []
+        if draft and self.bm.num_new_blocks(seq, seq.num_tokens + len(draft)) > self.bm.num_free_blocks:
+            return []
+        return draft
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """At the first sample of an n > 1 request: siblings sharing the prompt's blocks."""
+        children = [parent.fork(i) for i in range(1, parent.pending_forks + 1)]
+        for child in children:
+            child.num_computed_tokens = parent.num_tokens  # the prompt this very step computes
+            self.bm.share(parent)
+            self.running.append(child)
+            parent.request.seqs.append(child)
+        parent.pending_forks = 0
+        return children
+
+    def update(
+        self, batch: ScheduledBatch, scores: list[PromptScores], sampled: SampleResult | None
+    ) -> StepUpdate:
+        """Apply a step: the scheduled tokens are computed, the prompt scores recorded, the
+        sampled tokens appended; finished sequences leave the queues and free their blocks."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        for score in scores:
+            score.seq.add_prompt_scores(score)
+        update = StepUpdate()
+        for seq in batch.prompt_only:
+            seq.finish_prompt_only()
+            self.remove(seq)
+            update.requests.setdefault(seq.request.request_id, seq.request)
+        for k, seq in enumerate(batch.samples):
+            req = seq.request
+            accepted, drafted = sampled.accepted.get(k, []), bool(seq.draft)
+            if drafted:  # KV rollback: the rejected tokens' slots are rewritten when reached
+                seq.num_computed_tokens -= len(seq.draft) - len(accepted)
+                seq.draft = []
+            tokens = [*accepted, sampled.token_ids[k]]
+            for j, token in enumerate(tokens):
+                logprob = sampled.logprobs[k] if j == len(tokens) - 1 else None
+                seq.append(token, logprob, self.eos_token_ids, req.max_tokens)
+                update.new_tokens[req.request_id] = update.new_tokens.get(req.request_id, 0) + 1
+                if seq.is_finished:
+                    break
+            if seq.is_finished:
+                self.remove(seq)
+            elif drafted:
+                self.bm.truncate(seq, seq.num_tokens)
+            update.requests.setdefault(req.request_id, req)
+        return update
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0:
@@ -97,7 +212,7 @@ class Scheduler:
         return budget
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int, copies) -> None:
-        self.bm.register(seq, seq.num_computed_tokens + n)
+        self.bm.register(seq, min(seq.num_computed_tokens + n, seq.num_tokens))  # not a draft's blocks
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         batch.copies.extend(copies)
@@ -107,12 +222,9 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
-
-    def add_running(self, seq: Sequence) -> None:
-        """A fork that shares its parent's blocks joins the running batch directly."""
-        self.running.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""
@@ -121,3 +233,23 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq)
+
+
+def ngram_draft(token_ids: list[int], k: int, max_n: int = 3) -> list[int]:
+    """Prompt lookup: the (up to) k tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens, for the longest n <= max_n that occurs; [] if none does. An
+    occurrence with k tokens after it comes first (in a loop the latest one has only the
+    last token after it). Searched as bytes: `rfind` is C, a Python scan of a long context
+    is not."""
+    buf = array("i", token_ids).tobytes()
+    size = array("i").itemsize  # bytes per token
+    for n in range(min(max_n, len(token_ids) - 1), 0, -1):
+        tail = buf[-n * size :]
+        for after in (k, 1):  # tokens the occurrence must leave after it
+            end = len(buf) - after * size
+            while (at := buf.rfind(tail, 0, end)) >= 0:
+                if at % size == 0:
+                    start = at // size + n
+                    return token_ids[start : start + k]
+                end = at + len(tail) - 1
+    return []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ import torch
 from tokenizers import Tokenizer
 
 from lmops.runtime.engine.metrics import RequestMetrics
-from lmops.runtime.engine.sampling import SamplingParams
+from lmops.runtime.engine.sampling import SamplingParams, seeded_generator
 
 log = logging.getLogger(__name__)
 
@@ -88,19 +89,35 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class PromptScores:
+    """What the runner computed for prompt positions `start` .. `start + len(logprobs)` of
+    one sequence: the log-prob of the token each predicts (position p predicts token p + 1),
+    its rank, and the top alternatives (`top_ids`, `top_logprobs`; empty lists unless the
+    step's requests asked for prompt_logprobs)."""
+
+    seq: Sequence
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 class Sequence:
     """One completion: tokens (prompt + output), KV bookkeeping, text and stop state."""
 
+    _ids = itertools.count()  # seq_id: unique in the process
+
     def __init__(
         self,
-        seq_id: int,
         request: Request,
         index: int,
         detok: IncrementalDetokenizer,
         generator: torch.Generator | None,
         grammar: llguidance.LLMatcher | None = None,
     ):
-        self.seq_id, self.request, self.index = seq_id, request, index
+        self.seq_id, self.request, self.index = next(Sequence._ids), request, index
         # Structured outputs: the grammar's state after this sequence's output tokens.
         self.grammar = grammar
         self.params: SamplingParams = request.params
@@ -111,6 +128,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.status = Status.WAITING
         self.pending_forks = 0
+        # Speculative decoding: tokens proposed for this step after the last one (scheduler.py),
+        # computed with it and kept as far as greedy decoding agrees.
+        self.draft: list[int] = []
         self.generator = generator
         self.detok = detok
         self.text = ""  # decoded output, including a tail held back for stop strings
@@ -120,12 +140,11 @@ class Sequence:
         self.logprobs: list[dict] | None = [] if request.params.logprobs is not None else None
         self.sent_text = 0  # what the previous RequestOutput carried
         self.sent_tokens = 0
-        # The prompt's own log-probs, riding on its prefill (runner._score_prompts): while
-        # `scoring`, the runner takes the log-prob of each prompt token its rows predict
-        # (position p predicts token p + 1), adding the NLL (nats) to `prompt_nll` for the
-        # drift signal when `score_prompt`, and appending entries to the request's
-        # `prompt_logprobs` when asked; positions < `num_scored` are done (a recompute after
-        # preemption skips them).
+        # The prompt's own log-probs, riding on its prefill: while `scoring`, the runner
+        # scores each prompt token its rows predict (runner.score_prompts), and
+        # `add_prompt_scores` adds the NLL (nats) to `prompt_nll` for the drift signal when
+        # `score_prompt`, and appends entries to the request's `prompt_logprobs` when asked;
+        # positions < `num_scored` are done (a recompute after preemption skips them).
         self.score_prompt = False
         self.prompt_nll = 0.0
         self.num_scored = 0
@@ -157,17 +176,37 @@ class Sequence:
         wanted = self.score_prompt or self.request.prompt_logprobs is not None
         return wanted and self.num_scored < self.num_prompt_tokens - 1
 
-    def fork(self, seq_id: int, index: int, generator: torch.Generator | None) -> Sequence:
-        """A sibling completion at the same point, sharing (by reference) the KV blocks."""
+    def fork(self, index: int) -> Sequence:
+        """Completion `index` of the request at the same point, sharing (by reference) the KV
+        blocks; a seeded request's siblings draw from generators of their own."""
         grammar = None if self.grammar is None else self.grammar.deep_copy()
-        child = Sequence(seq_id, self.request, index, self.detok.copy(), generator, grammar)
+        generator = None
+        if self.generator is not None:
+            generator = seeded_generator(self.params.seed, index, self.generator.device)
+        child = Sequence(self.request, index, self.detok.copy(), generator, grammar)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.block_table = list(self.block_table)
         child.block_hashes = list(self.block_hashes)
         child.status = self.status
-        child.num_scored = self.num_scored  # the prompt is scored once, by the first sequence
+        child.num_scored = self.num_prompt_tokens - 1  # the prompt is scored once, by the first sequence
         return child
+
+    def add_prompt_scores(self, scores: PromptScores) -> None:
+        """Record the runner's scores of prompt positions from `scores.start` on."""
+        n = len(scores.logprobs)
+        self.num_scored = scores.start + n
+        if self.score_prompt:
+            self.prompt_nll -= sum(scores.logprobs)
+        out, want = self.request.prompt_logprobs, self.request.params.prompt_logprobs
+        if out is None:
+            return
+        targets = self.token_ids[scores.start + 1 : scores.start + n + 1]
+        for j, token in enumerate(targets):
+            top = dict(zip(scores.top_ids[j][:want], scores.top_logprobs[j][:want], strict=True))
+            out.append(
+                {"token_id": token, "logprob": scores.logprobs[j], "rank": scores.ranks[j], "top": top}
+            )
 
     def append(self, token_id: int, logprob: dict | None, eos_ids: frozenset[int], max_tokens: int) -> None:
         """Record a sampled token: text, stop strings, stop tokens (none before min_tokens), the

@@ -1,0 +1,174 @@
+"""Single-stream latency: one request at a time, the engine as it is against the engine at
+a baseline commit, in one run.
+
+    python benchmarks/single_stream.py [--baseline REV] [--threads 1 2] [--rounds 7] [--speculative 4] [--quick]
+
+All engines run the same random default-size model (benchmarks/engine.py's, context 1024)
+and the same greedy request (128-token prompt, 128 new tokens, EOS ignored), compiled decode
+on (the default). Each (engine, thread count) is a worker process of its own: the baseline's
+with `git archive REV src` on its PYTHONPATH, so each loads its own `lmops`; inductor's
+graphs are compiled for one thread count, hence a worker per count. The workers take turns
+request by request for `--rounds` rounds (medians), so load from other jobs falls on all alike.
+Decode tok/s = 127 / (last token - first token), by the wall clock and by the worker's CPU
+time over the same steps (on a shared machine the CPU time is the steadier figure: it leaves
+out the time other jobs held the core); TTFT from the request's metrics. `--speculative K`
+adds a third worker: the engine as it is with `num_speculative_tokens=K` (and its
+acceptance rate: accepted / drafted tokens). Every worker's
+greedy tokens must be the baseline's. Writes benchmarks/results/single-stream-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from engine import RESULTS, build_random_model, write_results
+
+REPO = Path(__file__).resolve().parents[1]
+# The engine before issue 34 (the four-verb step, one forward, the latency work).
+BASELINE = "6045f25"
+PROMPT_LEN = 128
+ENGINES = ("baseline", "now", "speculative")
+
+
+def worker(model_dir: Path, threads: int, speculative: int) -> None:
+    """Serve requests from stdin (one JSON line: new tokens), answer one JSON line each."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from lmops.runtime.engine import LLMEngine, SamplingParams
+
+    spec = {"num_speculative_tokens": speculative} if speculative else {}
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", compile=True, drift_sample=0, **spec)
+    prompt = [3 + (7 * i) % 4000 for i in range(PROMPT_LEN)]
+    print(json.dumps({"ready": True, "compiled": engine.runner.decode is not None}), flush=True)
+    for i, line in enumerate(sys.stdin):
+        new = json.loads(line)["new"]
+        engine.reset_metrics()
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+        (out,) = engine.step()  # the prefill and the first token
+        cpu = time.process_time()
+        while not out.finished:
+            (out,) = engine.step()
+        cpu = time.process_time() - cpu
+        m = out.metrics
+        result = {
+            "decode_tok_s": (new - 1) / (m.last_token_time - m.first_token_time),
+            "decode_cpu_tok_s": (new - 1) / cpu,
+            "ttft_ms": 1000 * m.ttft,
+        }
+        value = engine.metrics.registry.get_sample_value
+        if speculative:
+            drafted = value("lmops:spec_decode_num_draft_tokens_total")
+            result["acceptance"] = value("lmops:spec_decode_num_accepted_tokens_total") / max(drafted, 1)
+        print(json.dumps({**result, "tokens": out.token_ids}), flush=True)
+
+
+class Worker:
+    def __init__(self, src: Path, model_dir: Path, threads: int, speculative: int):
+        env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
+        cmd = [sys.executable, __file__, "--worker", str(model_dir), "--threads", str(threads)]
+        cmd += ["--speculative", str(speculative)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        self.hello = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def run(self, new: int) -> dict:
+        self.proc.stdin.write(json.dumps({"new": new}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def checkout(rev: str, into: Path) -> Path:
+    """`src/` of `rev`, unpacked under `into` (git state untouched)."""
+    data = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"], capture_output=True, check=True)
+    with tarfile.open(fileobj=io.BytesIO(data.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return into / "src"
+
+
+def table(r: dict) -> str:
+    lines = [
+        "| threads | engine | decode tok/s (wall) | vs baseline | decode tok/s (CPU time) | vs baseline | TTFT ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t, row in r["by_threads"].items():
+        base = row["baseline"]
+        for name in (n for n in ENGINES if n in row):
+            x = row[name]
+            lines.append(
+                f"| {t} | {name} | {x['decode_tok_s']:.0f} | {x['decode_tok_s'] / base['decode_tok_s']:.2f}x "
+                f"| {x['decode_cpu_tok_s']:.0f} | {x['decode_cpu_tok_s'] / base['decode_cpu_tok_s']:.2f}x "
+                f"| {x['ttft_ms']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", default=BASELINE, help=f"git revision to compare with (default {BASELINE})")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--speculative", type=int, default=0, help="also the engine with this many draft tokens")
+    ap.add_argument("--quick", action="store_true", help="2 rounds, 1 thread")
+    ap.add_argument("--out", type=Path, default=RESULTS / "single-stream-cpu.json")
+    ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.threads[0], args.speculative)
+    if args.quick:
+        args.rounds, args.threads = 2, [1]
+    new = 128
+    res: dict = {
+        "baseline": args.baseline,
+        "rounds": args.rounds,
+        "prompt_tokens": PROMPT_LEN,
+        "new_tokens": new,
+    }
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_random_model(Path(tmp) / "model", 1024)
+        sources = {"baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0), "now": (REPO / "src", 0)}
+        if args.speculative:
+            sources["speculative"] = (REPO / "src", args.speculative)
+        res["by_threads"] = {}
+        for threads in args.threads:
+            workers = {name: Worker(src, model_dir, threads, k) for name, (src, k) in sources.items()}
+            runs: dict[str, list[dict]] = {name: [] for name in workers}
+            for _ in range(args.rounds):
+                for name, w in workers.items():
+                    runs[name].append(w.run(new))
+            for w in workers.values():
+                w.close()
+            tokens = [x.pop("tokens") for r in runs.values() for x in r]
+            assert all(t == tokens[0] for t in tokens), "the engines' greedy tokens differ"
+            row: dict = {"compiled": {n: w.hello["compiled"] for n, w in workers.items()}}
+            for name, r in runs.items():
+                row[name] = {key: statistics.median(x[key] for x in r) for key in r[0]} | {"runs": r}
+            res["by_threads"][str(threads)] = row
+    res["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
+    print(table(res))
+    write_results(res, args.out)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The engine's forward: the decoder over a packed batch, written once.
+
+All sequences' new tokens of a step are one (T,) row with their own positions, so mixed
+lengths never pad the projections or MLPs; attention, the one part that differs, is
+passed in (`Attend`): runner.PagedAttention for the eager step (any mix of prefills and
+decodes), compiled.DecodeAttention for the compiled decode graph, which traces this very
+code. It is model.py's `Llama` restated for speed: Q/K/V and gate/up projections fused,
+RoPE from a precomputed table, no nn.Module dispatch (at batch size 1 a decode step is
+mostly per-op overhead, and this halves it). RMSNorm and the RoPE tables are model.py's own
+functions; the rest is pinned to model.py by tests/unit/engine/test_parity.py.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from lmops.runtime.model import Llama, rms_norm, rope_cos_sin
+
+
+class Attend(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q: (T, H, D) rotated; kv: (T, 2 * Hkv, D), rotated K heads then V heads -> (T, H, D)."""
+        ...
+
+
+class FusedForward:
+    """model.py's forward over a packed batch, with fused projections.
+
+    The fused weights are built once, and the model's own q/k/v and gate/up parameters
+    are re-pointed to views of them: no second copy of the weights, and model.py's
+    forward (used by references and tests) keeps working on the same numbers. (Those
+    views share storage, so save such a model with `.clone()`d tensors, not directly.)
+    """
+
+    def __init__(self, model: Llama):
+        cfg = model.config
+        self.model = model
+        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.n_kv_heads, cfg.head_dim
+        self.inter, self.eps = cfg.intermediate_size, cfg.norm_eps
+        self.layers = []
+        with torch.no_grad():
+            for layer in model.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                qkv = _fuse(a.q_proj, a.k_proj, a.v_proj)
+                gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
+                self.layers.append(
+                    (
+                        layer.input_layernorm.weight,
+                        qkv,
+                        a.o_proj.weight,
+                        layer.post_attention_layernorm.weight,
+                        gate_up,
+                        mlp.down_proj.weight,
+                    )
+                )
+        device = qkv.device
+        cos, sin = rope_cos_sin(torch.arange(cfg.max_seq_len, device=device), cfg.head_dim, cfg.rope_theta)
+        half = cfg.head_dim // 2
+        self.cos = cos  # (max_len, D) float32
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), 1)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attend) -> torch.Tensor:
+        """(T,) ids and positions -> (T, n_embd) hidden states (before the final norm)."""
+        H, Hkv, D, inter = self.n_head, self.n_kv, self.head_dim, self.inter
+        T = input_ids.shape[0]
+        x = F.embedding(input_ids, self.model.model.embed_tokens.weight)
+        dtype = x.dtype
+        # RoPE for the H query and Hkv key heads; identity (cos 1, sin 0) for the V heads, so
+        # one elementwise pass rotates q and k and leaves K and V adjacent for the cache write.
+        # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated).
+        cos = self.cos.index_select(0, positions).to(dtype)[:, None]
+        sin = self.sin_signed.index_select(0, positions).to(dtype)[:, None]
+        cos = torch.cat((cos.expand(T, H + Hkv, D), cos.new_ones(T, Hkv, D)), 1)
+        sin = torch.cat((sin.expand(T, H + Hkv, D), sin.new_zeros(T, Hkv, D)), 1)
+        for i, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
+            qkv = F.linear(rms_norm(x, w_in, self.eps), w_qkv).view(T, H + 2 * Hkv, D)
+            x1, x2 = qkv.chunk(2, dim=-1)
+            qkv = torch.addcmul(torch.cat((x2, x1), dim=-1).mul_(sin), qkv, cos)
+            y = attn(i, qkv[:, :H], qkv[:, H:])
+            x = x + F.linear(y.reshape(T, H * D), w_o)
+            gu = F.linear(rms_norm(x, w_post, self.eps), w_gu)
+            x.add_(F.linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down))
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states (rows, n_embd) -> float32 logits (rows, vocab): final norm, LM head."""
+        m = self.model
+        return F.linear(rms_norm(h, m.model.norm.weight, self.eps), m.lm_head.weight).float()
+
+
+def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
+    """One weight stacking the linears' rows; each linear's weight becomes a view into it."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = fused[start : start + n]
+        start += n
+    return fused
