@@ -187,7 +187,7 @@ def test_muon_on_a_parameter_it_cannot_take_names_the_key_and_the_parameter():
         r"model.layers.0.mlp.experts has shape \(2, 16, 32\); use train.optimizer: adamw$",
     ):
         make_optimizer(model, TrainConfig(optimizer="muon"), CPU)
-    make_optimizer(model, TrainConfig(), CPU)  # AdamW takes any shape
+    make_optimizer(model, TrainConfig(optimizer="adamw"), CPU)  # AdamW takes any shape
 
 
 def test_truncated_or_corrupt_checkpoint_is_an_error(tmp_path):

@@ -122,7 +122,7 @@ class TrainConfig(_Section):
     cooldown_fraction: Annotated[float, Field(gt=0.0, le=1.0, validate_default=True)] = 0.2
     # adamw: AdamW for every weight; muon: Muon for the decoder layers' matrices (attention and
     # MLP projections), AdamW for the embeddings, the head and the norms.
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    optimizer: Literal["adamw", "muon"] = "muon"
     # Muon's peak rate, scaled per matrix to AdamW's update size (torch's match_rms_adamw), so
     # it sits on learning_rate's scale; it follows the same schedule (x muon_lr / learning_rate).
     muon_lr: Annotated[float, Field(gt=0)] = 3e-3
