@@ -1,4 +1,5 @@
-"""Training killed and resumed (eager and compiled), and the checkpoints it must not trust."""
+"""Training killed and resumed (eager and compiled; with Muon, the default optimizer), and the
+checkpoints it must not trust."""
 
 from __future__ import annotations
 
@@ -78,7 +79,9 @@ def test_training_without_a_compiler_falls_back_to_eager(tokenized_project, tmp_
 
 
 def test_changed_params_ignore_an_old_checkpoint(tokenized_project, tmp_path):
+    """Even max_steps: under cosine it changes every step's learning rate after warmup."""
     project = copy_project(tokenized_project, tmp_path / "p")
+    assert "lr_schedule: cosine" in (project / "params.yaml").read_text()
     run([str(BIN / "lmops"), "train"], project, env={**env(), CRASH_AT: "train.step:12"}, check=False)
     text = (project / "params.yaml").read_text().replace("max_steps: 20", "max_steps: 12")
     (project / "params.yaml").write_text(text)

@@ -1,6 +1,6 @@
 """Training as users run it: under torchrun with 2 processes, keeping the best weights,
-stopping early, on a plateau schedule (killed and resumed too). The plain resume and
-checkpoint tests are in test_train_resume.py."""
+stopping early, on a plateau schedule (killed and resumed too), with Muon and wsd trained
+longer. The plain resume and checkpoint tests are in test_train_resume.py."""
 
 from __future__ import annotations
 
@@ -15,13 +15,18 @@ import yaml
 
 from lmops.crash_points import ENV as CRASH_AT
 from tests.conftest import BIN, env, run
-from tests.integration.training import copy_project, mlflow_run, val_losses, weights
+from tests.integration.training import copy_project, mlflow_run, val_losses, weights, with_dropout
 
 pytestmark = pytest.mark.slow
 
 
 def test_ddp_with_two_processes_on_cpu(tokenized_project, tmp_path):
+    """With Muon: the DDP path is the optimizer's either way, and Muon's is the one with more
+    to share (both optimizers' steps on the all-reduced gradients)."""
     project = copy_project(tokenized_project, tmp_path / "ddp")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"]["optimizer"] = "muon"
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     run(
         [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "lmops.pipeline.cli", "train"],
         project,
@@ -31,7 +36,7 @@ def test_ddp_with_two_processes_on_cpu(tokenized_project, tmp_path):
     from mlflow import MlflowClient
 
     params = MlflowClient(tracking_uri=f"sqlite:///{project}/mlflow.db").get_run(meta["run_id"]).data.params
-    assert params["world_size"] == "2"
+    assert params["world_size"] == "2" and params["train.optimizer"] == "muon"
     assert meta["metrics"]["tokens"] == 2 * 20 * 8 * 64  # both ranks' batches counted
     from lmops.runtime.model import Llama
 
@@ -72,7 +77,8 @@ def _overfitting_project(tokenized_project, dst, train_overrides):
     params["train"].update(
         {
             "max_steps": 30,
-            "learning_rate": 1.0e-2,  # val is lowest near step 8, then rises for good
+            "optimizer": "adamw",  # with the next line: val is lowest near step 8, then rises for good
+            "learning_rate": 1.0e-2,
             "eval_interval": 2,
             "checkpoint_interval": 10,
             "log_interval": 2,
@@ -178,3 +184,57 @@ def test_a_longer_plateau_run_is_the_shorter_one_continued(tokenized_project, tm
     a, b = weights(longer), weights(killed)
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+
+
+def _muon_wsd_project(tokenized_project, dst, max_steps):
+    project = with_dropout(copy_project(tokenized_project, dst), compile=False)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(optimizer="muon", lr_schedule="wsd", cooldown_fraction=0.25, max_steps=max_steps)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return project
+
+
+def test_a_finished_muon_wsd_run_trains_longer_from_its_cooldown_and_ends_as_the_longer_run(
+    tokenized_project, tmp_path
+):
+    """Muon's state and wsd's plan resume exactly: a 20-step run (cooldown from step 15), then
+    max_steps raised to 28, ends with the weights and rows of a run planned for 28 steps."""
+    longer = _muon_wsd_project(tokenized_project, tmp_path / "longer", 28)
+    run([str(BIN / "lmops"), "train"], longer)
+    project = _muon_wsd_project(tokenized_project, tmp_path / "p", 20)
+    run([str(BIN / "lmops"), "train"], project)
+    short_run = json.loads((project / "artifacts/model/lmops.json").read_text())["run_id"]
+    text = (project / "params.yaml").read_text().replace("max_steps: 20", "max_steps: 28")
+    (project / "params.yaml").write_text(text)
+
+    out = run([str(BIN / "lmops"), "train"], project).stderr
+    assert "ignoring checkpoint in artifacts/checkpoints: step 20 of a 20-step wsd run" in out
+    assert "resuming from artifacts/checkpoints-before-cooldown at step 15" in out
+    assert _history(project) == _history(longer)
+    a, b = weights(longer), weights(project)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # A new MLflow run with every row from the first step; the 20-step run keeps its own.
+    meta = json.loads((project / "artifacts/model/lmops.json").read_text())
+    assert meta["run_id"] != short_run and meta["metrics"]["steps"] == 28
+    continued = mlflow_run(project, meta["run_id"])
+    assert continued.data.tags["continued_from"] == f"{short_run} at step 15"
+    assert (
+        continued.data.params["train.optimizer"] == "muon"
+        and continued.data.params["train.max_steps"] == "28"
+    )
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project}/mlflow.db")
+    assert [m.step for m in client.get_metric_history(meta["run_id"], "loss/val")] == [10, 20, 28]
+    assert mlflow_run(project, short_run).data.params["train.max_steps"] == "20"
+    # The optimizer leaves the architecture alone: transformers loads the export unchanged.
+    from transformers import LlamaForCausalLM
+
+    from lmops.runtime.model import Llama
+
+    x = torch.arange(1, 17)[None]
+    hf = LlamaForCausalLM.from_pretrained(project / "artifacts/model").eval()
+    with torch.no_grad():
+        ours = Llama.from_pretrained(project / "artifacts/model")(x)[0]
+        torch.testing.assert_close(hf(x).logits, ours, atol=1e-4, rtol=1e-4)

@@ -54,6 +54,14 @@ def test_scientific_notation_without_dot_is_caught():
         ({"tokenizer": {"vocab_size": 100}}, "tokenizer.vocab_size"),
         ({"train": {"min_lr": 1.0, "learning_rate": 0.1}}, "must not exceed learning_rate"),
         ({"train": {"device": "tpu"}}, "one of 'auto', 'cpu', 'cuda'"),
+        ({"train": {"optimizer": "sgd"}}, r"'train.optimizer'.*one of 'adamw', 'muon', got 'sgd'\)$"),
+        ({"train": {"optimizer": "Muon"}}, r"'train.optimizer'.*got 'Muon'; did you mean 'muon'\?\)"),
+        ({"train": {"lr_schedule": "wds"}}, r"'train.lr_schedule'.*got 'wds'; did you mean 'wsd'\?\)"),
+        (
+            {"train": {"lr_schedule": "wsd", "max_steps": 100, "warmup_steps": 40, "cooldown_fraction": 0.7}},
+            r"^params.yaml: 'train.cooldown_fraction': .*the wsd cooldown \(0.7 x max_steps = 70 steps\) "
+            r"and warmup_steps \(40\) are longer than max_steps \(100\)",
+        ),
         ({"data": {"sha256": "xyz"}}, "data.sha256"),
         ({"split": {"test_fraction": 0.0}}, r"'split.test_fraction': Input should be greater than 0"),
         ({"split": {"method": "last"}}, "one of 'random', 'tail'"),

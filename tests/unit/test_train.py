@@ -6,15 +6,16 @@ import torch
 
 from lmops.errors import LmopsError
 from lmops.pipeline.checkpoint import load_checkpoint, save_checkpoint, weights_of
+from lmops.pipeline.optim import MuonAdamW, make_optimizer
 from lmops.pipeline.params import TrainConfig
 from lmops.pipeline.train import (
     PeakFlops,
     Progress,
     batch,
+    continues,
     deterministic_kernels,
     estimate_val_loss,
     lr_at,
-    make_optimizer,
     measure_peak_flops,
     write_log,
 )
@@ -24,6 +25,7 @@ from lmops.runtime.model_config import LlamaConfig
 CFG = LlamaConfig(
     vocab_size=64, n_layer=1, n_head=2, n_kv_heads=1, n_embd=16, intermediate_size=32, max_seq_len=8
 )
+CPU = torch.device("cpu")
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
@@ -57,6 +59,39 @@ def test_plateau_schedule_cuts_the_rate_when_validation_stalls_down_to_min_lr():
     assert lr_at(50, cosine, 3) == lr_at(50, cosine)  # cuts are the plateau schedule's alone
 
 
+def test_wsd_schedule_warms_up_holds_then_cools_down_linearly_to_min_lr_at_the_last_step():
+    cfg = TrainConfig(
+        lr_schedule="wsd",
+        max_steps=100,
+        warmup_steps=10,
+        learning_rate=1.0,
+        min_lr=0.1,
+        cooldown_fraction=0.2,
+    )
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == 1.0
+    assert lrs[10:80] == [1.0] * 70  # constant until the last 20 steps
+    assert lrs[80] == pytest.approx(1.0 - 0.9 / 20) and lrs[89] == pytest.approx(0.55)
+    assert lrs[99] == pytest.approx(0.1)  # the last step trains at min_lr
+    # Planned longer, the same run holds the rate for longer: no step before the shorter
+    # plan's cooldown changes.
+    longer = cfg.model_copy(update={"max_steps": 200})
+    assert [lr_at(s, longer) for s in range(80)] == lrs[:80] and lr_at(159, longer) == 1.0
+
+
+def test_a_checkpoint_continues_under_another_max_steps_only_where_the_schedule_ignores_it():
+    def cfg(schedule):
+        return TrainConfig(lr_schedule=schedule, max_steps=200, warmup_steps=10, cooldown_fraction=0.2)
+
+    assert continues(cfg("cosine"), 200, 150) and not continues(cfg("cosine"), 100, 50)
+    # plateau: any step before both runs' final evaluation.
+    assert continues(cfg("plateau"), 100, 99) and not continues(cfg("plateau"), 100, 100)
+    assert continues(cfg("plateau"), 300, 199) and not continues(cfg("plateau"), 300, 200)
+    # wsd: steps before both cooldowns (100 steps cool from step 80, 200 from 160, 300 from 240).
+    assert continues(cfg("wsd"), 100, 80) and not continues(cfg("wsd"), 100, 81)
+    assert continues(cfg("wsd"), 300, 160) and not continues(cfg("wsd"), 300, 161)
+
+
 def test_batches_depend_only_on_their_seed():
     tokens = np.arange(1000, dtype=np.uint16)
     x1, y1 = batch(tokens, 8, 4, (1, 5, 0, 0), "cpu")
@@ -84,23 +119,30 @@ def test_validation_scores_the_whole_split_when_it_fits_else_evenly_spread_windo
         estimate_val_loss(model, tokens[:8], TrainConfig(), 8, "cpu")
 
 
-def _trained_pair(tmp_path):
-    torch.manual_seed(0)
-    model = Llama(CFG)
-    opt = make_optimizer(model, TrainConfig(), torch.device("cpu"))
-    x = torch.randint(0, 64, (2, 8))
+def _step(model, opt, seed: int) -> None:
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(seed))
     model(x, x)[1].backward()
     opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _trained_pair(tmp_path, cfg: TrainConfig | None = None):
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    opt = make_optimizer(model, cfg or TrainConfig(), torch.device("cpu"))
+    _step(model, opt, 0)
     save_checkpoint(tmp_path / "ckpt", model, opt, {"step": 1, "history": [], "fingerprint": "f"})
     return model, opt
 
 
-def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
-    model, opt = _trained_pair(tmp_path)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_checkpoint_round_trip_restores_weights_optimizer_and_rng_and_the_next_step(tmp_path, optimizer):
+    cfg = TrainConfig(optimizer=optimizer)
+    model, opt = _trained_pair(tmp_path, cfg)
     expected_rng_draw = torch.rand(3)
     torch.manual_seed(123)  # disturb the RNG; loading must restore the saved state
     fresh = Llama(CFG)
-    fresh_opt = make_optimizer(fresh, TrainConfig(), torch.device("cpu"))
+    fresh_opt = make_optimizer(fresh, cfg, torch.device("cpu"))
     state = load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
     assert state["step"] == 1
     assert torch.equal(torch.rand(3), expected_rng_draw)
@@ -109,6 +151,43 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     for key, slot in opt.state_dict()["state"].items():
         for name, value in slot.items():
             assert torch.equal(value, fresh_opt.state_dict()["state"][key][name])
+    # The momenta and moments are those of the run: the next step is the same, bit for bit.
+    _step(model, opt, 1)
+    _step(fresh, fresh_opt, 1)
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_muon_takes_the_decoder_matrices_and_adamw_the_embeddings_head_and_norms(tie_embeddings):
+    model = Llama(CFG.model_copy(update={"tie_embeddings": tie_embeddings}))
+    opt = make_optimizer(model, TrainConfig(optimizer="muon", learning_rate=2e-3, muon_lr=1e-2), CPU)
+    assert isinstance(opt, MuonAdamW)
+    muon, adamw = opt.parts
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    adamw_names = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert muon_names == {
+        n for n, p in model.named_parameters() if n.startswith("model.layers.") and p.dim() == 2
+    }
+    assert len(muon_names) == 7  # q, k, v, o; gate, up, down
+    assert muon_names | adamw_names == set(names.values()) and not muon_names & adamw_names
+    head = set() if tie_embeddings else {"lm_head.weight"}
+    decayed = {names[id(p)] for g in adamw.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert decayed == {"model.embed_tokens.weight", *head}  # norms are not decayed
+    assert [g["lr_scale"] for g in opt.param_groups] == [5.0, 1.0, 1.0]  # muon_lr / learning_rate
+
+
+def test_muon_on_a_parameter_it_cannot_take_names_the_key_and_the_parameter():
+    model = Llama(CFG)
+    model.model.layers[0].mlp.register_parameter("experts", torch.nn.Parameter(torch.zeros(2, 16, 32)))
+    with pytest.raises(
+        LmopsError,
+        match=r"^train.optimizer: muon updates 2-D matrices only, and "
+        r"model.layers.0.mlp.experts has shape \(2, 16, 32\); use train.optimizer: adamw$",
+    ):
+        make_optimizer(model, TrainConfig(optimizer="muon"), CPU)
+    make_optimizer(model, TrainConfig(optimizer="adamw"), CPU)  # AdamW takes any shape
 
 
 def test_truncated_or_corrupt_checkpoint_is_an_error(tmp_path):

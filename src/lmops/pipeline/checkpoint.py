@@ -22,10 +22,13 @@ from lmops.runtime.model import Llama
 
 def fingerprint(params: Params, world: int, train_digest: str) -> str:
     """What a checkpoint must match to be resumed: config, world size and the exact data
-    (the train split's token digest, from its shards' sha256)."""
+    (the train split's token digest, from its shards' sha256). Not `train.max_steps`: the
+    checkpoint's state says which, and the schedule whether it continues under another
+    (`lmops.pipeline.train.continues`)."""
+    train = params.train.model_dump(exclude={"max_steps"})
     h = hashlib.sha256(
         json.dumps(
-            {"model": params.model.model_dump(), "train": params.train.model_dump(), "world": world},
+            {"model": params.model.model_dump(), "train": train, "world": world},
             sort_keys=True,
         ).encode()
     )

@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from lmops.errors import LmopsError
 from lmops.runtime.model_config import LlamaShape
@@ -88,6 +96,11 @@ class ModelConfig(LlamaShape, _Section):
         return raw
 
 
+def cooldown_steps(max_steps: int, fraction: float) -> int:
+    """The length of wsd's cooldown: the last `fraction` of `max_steps`, rounded."""
+    return round(fraction * max_steps)
+
+
 class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 1337
@@ -99,11 +112,21 @@ class TrainConfig(_Section):
     warmup_steps: Annotated[int, Field(ge=0)] = 40
     # After warmup: cosine decay to min_lr at max_steps, or (plateau) learning_rate times
     # lr_plateau_factor after every lr_plateau_patience evaluations without a lower validation
-    # loss, down to min_lr. Under plateau nothing depends on max_steps, so a longer run passes
-    # through every state of a shorter one and, with keep_best, is never worse.
-    lr_schedule: Literal["cosine", "plateau"] = "cosine"
+    # loss, down to min_lr, or (wsd) learning_rate until the last cooldown_fraction x max_steps
+    # steps, which fall linearly to min_lr. Under plateau and before wsd's cooldown nothing
+    # depends on max_steps, so a longer run passes through every state of a shorter one, and
+    # a checkpoint from there resumes under a raised max_steps (README, "Training longer").
+    lr_schedule: Literal["cosine", "plateau", "wsd"] = "cosine"
     lr_plateau_patience: PositiveInt = 1
     lr_plateau_factor: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5
+    cooldown_fraction: Annotated[float, Field(gt=0.0, le=1.0, validate_default=True)] = 0.2
+    # adamw: AdamW for every weight; muon: Muon for the decoder layers' matrices (attention and
+    # MLP projections), AdamW for the embeddings, the head and the norms.
+    optimizer: Literal["adamw", "muon"] = "muon"
+    # Muon's peak rate, scaled per matrix to AdamW's update size (torch's match_rms_adamw), so
+    # it sits on learning_rate's scale; it follows the same schedule (x muon_lr / learning_rate).
+    muon_lr: Annotated[float, Field(gt=0)] = 3e-3
+    muon_momentum: Fraction = 0.95  # Nesterov momentum of Muon's updates
     weight_decay: Annotated[float, Field(ge=0)] = 0.1
     beta1: Fraction = 0.9
     beta2: Fraction = 0.95
@@ -121,6 +144,20 @@ class TrainConfig(_Section):
     compile: bool = True
     # auto = bfloat16 autocast where matrix products run natively in it, else float32.
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
+
+    @field_validator("cooldown_fraction")
+    @classmethod
+    def _cooldown_fits(cls, fraction: float, info: ValidationInfo) -> float:
+        """wsd's warmup and cooldown must fit in the run (fields failing their own checks are absent)."""
+        max_steps, warmup = info.data.get("max_steps"), info.data.get("warmup_steps")
+        if info.data.get("lr_schedule") == "wsd" and max_steps and warmup is not None:
+            cooldown = cooldown_steps(max_steps, fraction)
+            if warmup + cooldown > max_steps:
+                raise ValueError(
+                    f"the wsd cooldown ({fraction} x max_steps = {cooldown} steps) and warmup_steps "
+                    f"({warmup}) are longer than max_steps ({max_steps}): lower one of them"
+                )
+        return fraction
 
     @model_validator(mode="after")
     def _lr_order(self) -> TrainConfig:
@@ -235,8 +272,11 @@ def _describe(err: dict[str, Any]) -> str:
         suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
         return f"unknown key '{dotted}'{suggestion}; known keys here: {', '.join(known)}"
     if section is not None and key in section.model_fields:
-        expected = _type_name(section.model_fields[key].annotation)
-        return f"'{dotted}': {err['msg']} (expected {expected}, got {err.get('input')!r})"
+        annotation = section.model_fields[key].annotation
+        choices = typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
+        hint = difflib.get_close_matches(str(err.get("input")).lower(), [str(c) for c in choices], n=1)
+        suggestion = f"; did you mean '{hint[0]}'?" if hint else ""
+        return f"'{dotted}': {err['msg']} (expected {_type_name(annotation)}, got {err.get('input')!r}{suggestion})"
     return f"'{dotted}': {err['msg']}"
 
 

@@ -1,6 +1,6 @@
-"""Training loop: AdamW, warmup then cosine or plateau LR, grad accumulation and clipping,
-bf16 autocast where the hardware has it, a compiled step, DDP under torchrun,
-checkpoints and exact resume.
+"""Training loop: AdamW or Muon (`optim.py`), warmup then cosine, plateau or wsd LR, grad
+accumulation and clipping, bf16 autocast where the hardware has it, a compiled step, DDP
+under torchrun, checkpoints and exact resume.
 
 Determinism is by construction: the batch of (step, micro-step, rank) is drawn
 from an RNG seeded with exactly those numbers, so "data position" is just the
@@ -8,6 +8,11 @@ step counter, and a run killed at any point and resumed from its last
 checkpoint replays the same batches and ends with the same weights (bit for bit
 on CPU, where torch's deterministic mode is on; on CUDA to rounding, since its
 attention backward and cuBLAS accumulate in no fixed order).
+
+Under the schedules whose learning rate does not depend on `max_steps` (plateau, and wsd
+before its cooldown), a checkpoint also resumes under another `max_steps`: a longer run
+passes through that very state. wsd keeps the checkpoint of its cooldown's first step
+beside the last one, so a finished run is trained longer from there, into a new MLflow run.
 
 The exported model is the best one seen, not the last (`train.keep_best`): the
 lowest validation loss at any evaluation, whose weights ride along in every
@@ -44,7 +49,8 @@ from lmops import atomic, crash_points
 from lmops.errors import LmopsError
 from lmops.pipeline import tracking
 from lmops.pipeline.checkpoint import fingerprint, load_checkpoint, load_weights, save_checkpoint, weights_of
-from lmops.pipeline.params import Params, TrainConfig
+from lmops.pipeline.optim import Optimizer, make_optimizer
+from lmops.pipeline.params import Params, TrainConfig, cooldown_steps
 from lmops.pipeline.paths import (
     CHECKPOINT_DIR,
     MANIFEST_FILE,
@@ -99,13 +105,39 @@ def setup_distributed(device: torch.device) -> Dist:
 
 def lr_at(step: int, cfg: TrainConfig, plateau_decays: int = 0) -> float:
     """Linear warmup to learning_rate; then cosine decay to min_lr at max_steps, or (plateau)
-    learning_rate * lr_plateau_factor ** plateau_decays, down to min_lr."""
+    learning_rate * lr_plateau_factor ** plateau_decays, down to min_lr, or (wsd) learning_rate
+    until the cooldown, whose steps fall linearly to min_lr, the last one at min_lr."""
     if step < cfg.warmup_steps:
         return cfg.learning_rate * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "plateau":
         return plateau_lr(cfg, plateau_decays)
+    if cfg.lr_schedule == "wsd":
+        start = cooldown_start(cfg.max_steps, cfg)
+        cooled = min(1.0, max(0, step - start + 1) / max(1, cfg.max_steps - start))
+        return cfg.learning_rate + cooled * (cfg.min_lr - cfg.learning_rate)
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.learning_rate - cfg.min_lr)
+
+
+def cooldown_start(max_steps: int, cfg: TrainConfig) -> int:
+    """wsd: the first step of the cooldown of a run of `max_steps` steps."""
+    return max_steps - cooldown_steps(max_steps, cfg.cooldown_fraction)
+
+
+def continues(cfg: TrainConfig, planned_steps: int, step: int) -> bool:
+    """Whether the first `step` steps of a run planned for `planned_steps` are those of one
+    planned for `cfg.max_steps`: the same learning rates, and neither run's final evaluation
+    among them. Cosine stretches with max_steps; plateau never looks at it; wsd only from its
+    cooldown on."""
+    if planned_steps == cfg.max_steps:
+        return True
+    if cfg.lr_schedule == "cosine":
+        return False
+    plans = (planned_steps, cfg.max_steps)
+    last = min(plans) - 1
+    if cfg.lr_schedule == "wsd":
+        last = min(last, *(cooldown_start(m, cfg) for m in plans))
+    return step <= last
 
 
 def plateau_lr(cfg: TrainConfig, decays: int) -> float:
@@ -186,18 +218,6 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return PeakFlops(device, dtype).measure(bursts=5)
 
 
-def make_optimizer(model: Llama, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms), as in nanoGPT. The fused
-    kernel on CUDA; on CPU the default (foreach) one measured as fast as fused."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
-        groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"
-    )
-
-
 @torch.no_grad()
 def estimate_val_loss(
     model, tokens: Tokens | np.ndarray, cfg: TrainConfig, max_seq_len: int, device
@@ -250,6 +270,7 @@ class Progress:
     plateau_decays: int = 0  # learning-rate cuts so far (lr_schedule: plateau)
     evals_since_plateau: int = 0  # evaluations without improvement since the best or the last cut
     stop_reason: str | None = None
+    continued_from: str | None = None  # "<run id> at step N": trained on under a new max_steps
 
     def record_eval(self, step: int, val_loss: float) -> bool:
         """Count one evaluation; True when it is the lowest validation loss so far."""
@@ -281,7 +302,7 @@ class Run:
     ddp: Dist
     model: Llama  # the weights; `forward` is this model or its DDP wrapper
     forward: torch.nn.Module
-    opt: torch.optim.Optimizer
+    opt: Optimizer
     train_tokens: Tokens  # memory-mapped shards: every rank reads the same files
     val_tokens: Tokens
     autocast: contextlib.AbstractContextManager
@@ -389,19 +410,44 @@ def _compile(run: Run) -> None:
     log.info("compiled the training step in %.1f s", time.perf_counter() - started)
 
 
+def before_cooldown(ckpt_dir: Path) -> Path:
+    """Where wsd keeps the checkpoint of its cooldown's first step (the last is in `ckpt_dir`)."""
+    return ckpt_dir.with_name(f"{ckpt_dir.name}-before-cooldown")
+
+
 def _resume(run: Run) -> None:
-    state_path = run.ckpt_dir / "state.json"
-    if not state_path.is_file():
+    """Resume from the last checkpoint, or else wsd's before its cooldown, when it is a state
+    of this run (`continues`). Under another max_steps the run goes on in a new MLflow run
+    (the old one may be finished), which gets every row from the first step."""
+    for ckpt_dir in (run.ckpt_dir, before_cooldown(run.ckpt_dir)):
+        state_path = ckpt_dir / "state.json"
+        if not state_path.is_file():
+            continue
+        saved = json.loads(state_path.read_text())
+        if saved.get("fingerprint") != run.fingerprint:
+            log.info("ignoring checkpoint in %s: made with other params or data", ckpt_dir)
+            continue
+        if not continues(run.cfg, saved["max_steps"], saved["step"]):
+            log.info(
+                "ignoring checkpoint in %s: step %d of a %d-step %s run is not one of a %d-step run",
+                ckpt_dir,
+                saved["step"],
+                saved["max_steps"],
+                run.cfg.lr_schedule,
+                run.cfg.max_steps,
+            )
+            continue
+        state = load_checkpoint(ckpt_dir, run.model, run.opt)
+        progress = Progress(**{f.name: state[f.name] for f in fields(Progress) if f.name in state})
+        if "tracked_rows" not in state:  # older checkpoints: every row was logged before it was saved
+            progress.tracked_rows = len(progress.history)
+        if saved["max_steps"] != run.cfg.max_steps:
+            progress.continued_from = f"{progress.run_id} at step {progress.step}"
+            progress.run_id, progress.tracked_rows = None, 0
+        run.progress = progress
+        run.best = state["best"] if run.ddp.main else None
+        log.info("resuming from %s at step %d", ckpt_dir, progress.step)
         return
-    if json.loads(state_path.read_text()).get("fingerprint") != run.fingerprint:
-        log.info("ignoring checkpoint in %s: made with other params or data", run.ckpt_dir)
-        return
-    state = load_checkpoint(run.ckpt_dir, run.model, run.opt)
-    run.progress = Progress(**{f.name: state[f.name] for f in fields(Progress) if f.name in state})
-    if "tracked_rows" not in state:  # older checkpoints: every row was logged before it was saved
-        run.progress.tracked_rows = len(run.progress.history)
-    run.best = state["best"] if run.ddp.main else None
-    log.info("resuming from %s at step %d", run.ckpt_dir, run.progress.step)
 
 
 def _loop(run: Run) -> None:
@@ -464,6 +510,8 @@ def _loop(run: Run) -> None:
         stop = progress.stop_reason is not None
         if ddp.main and (done % cfg.checkpoint_interval == 0 or done == cfg.max_steps or stop):
             _checkpoint(run)
+        if ddp.main and cfg.lr_schedule == "wsd" and done == cooldown_start(cfg.max_steps, cfg):
+            _checkpoint(run, before_cooldown(run.ckpt_dir))
         crash_points.reached("train.step", done)
         if stop:
             break
@@ -480,6 +528,8 @@ def _start_tracking(run: Run) -> None:
         earlier = mlrun.data.tags.get("resumed_at_steps")
         steps = f"{earlier},{progress.step}" if earlier else str(progress.step)
         tracking.set_tags(progress.run_id, {"resumed_at_steps": steps})
+    if progress.continued_from:
+        tracking.set_tags(progress.run_id, {"continued_from": progress.continued_from})
     tracking.log_params_once(
         run.params,
         progress.run_id,
@@ -523,7 +573,7 @@ def _train_step(run: Run, step: int, lr: float) -> float:
     """One optimizer step over grad_accum_steps micro-batches; returns the mean micro-batch loss."""
     cfg, ddp = run.cfg, run.ddp
     for group in run.opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_scale"]  # Muon's peak is muon_lr (lmops.pipeline.optim)
     loss_sum = 0.0
     for micro in range(cfg.grad_accum_steps):
         x, y = batch(
@@ -574,9 +624,9 @@ def _evaluate(run: Run, row: dict) -> None:
         log.info("%s", progress.stop_reason)
 
 
-def _checkpoint(run: Run) -> None:
-    state = {**asdict(run.progress), "fingerprint": run.fingerprint}
-    save_checkpoint(run.ckpt_dir, run.model, run.opt, state, run.best)
+def _checkpoint(run: Run, ckpt_dir: Path | None = None) -> None:
+    state = {**asdict(run.progress), "fingerprint": run.fingerprint, "max_steps": run.cfg.max_steps}
+    save_checkpoint(ckpt_dir or run.ckpt_dir, run.model, run.opt, state, run.best)
     write_log(run.progress.history)
 
 
