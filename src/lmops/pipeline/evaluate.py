@@ -342,8 +342,7 @@ def evaluate(params: Params, model_dir: Path = MODEL_DIR, data_dir: Path = PROCE
         # stray point at step 0 to its curve.
         numeric = {k: v for k, v in metrics.items() if k.startswith("test_") and isinstance(v, int | float)}
         with tracking.store_errors(tracking.tracking_uri(params.mlflow)):
-            link = tracking.model_link(meta.run_id, "test", selection.split_sha256)
-            tracking.log_metrics(meta.run_id, numeric, link=link)
+            tracking.log_metrics(meta.run_id, numeric)
             tracking.client().log_artifact(meta.run_id, str(SAMPLES_FILE))
             tracking.client().log_artifact(meta.run_id, str(METRICS_FILE))
             log_units(meta.run_id, UNITS_FILE, selection.key)

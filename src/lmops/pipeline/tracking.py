@@ -189,13 +189,10 @@ def log_data_report(run_id: str, path: Path = DATA_REPORT_FILE) -> None:
     log_metrics(run_id, metrics)
 
 
-def log_metrics(
-    run_id: str, metrics: dict[str, float | None], step: int = 0, link: dict | None = None
-) -> None:
-    """`link`: the logged model and dataset the metrics are of (`model_link`)."""
+def log_metrics(run_id: str, metrics: dict[str, float | None], step: int = 0) -> None:
     Metric = _mlflow().entities.Metric
     now = int(time.time() * 1000)
-    batch = [Metric(k, float(v), now, step, **(link or {})) for k, v in metrics.items() if v is not None]
+    batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
     client().log_batch(run_id, metrics=batch)
 
 
@@ -298,16 +295,15 @@ def link_model_to_splits(run_id: str, step: int) -> None:
     c.log_batch(run_id, metrics=batch)
 
 
-def model_link(run_id: str, split: str, sha256: str | None = None) -> dict:
+def model_link(run_id: str, split: str) -> dict:
     """What ties a metric to the run's logged model and to the `split` dataset the run logged
-    (when it did, and, given `sha256`, when that is still the split measured): the logged
-    model's page then lists the metric with its data."""
+    (when it did): the logged model's page then lists the metric with its data."""
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
     link = {"model_id": logged_model_uri(run_id).removeprefix("models:/")}
     for i in client().get_run(run_id).inputs.dataset_inputs:
         context = {t.key: t.value for t in i.tags}.get(MLFLOW_DATASET_CONTEXT)
-        if context == SPLIT_CONTEXTS[split] and (sha256 is None or i.dataset.digest == sha256[:DIGEST_CHARS]):
+        if context == SPLIT_CONTEXTS[split]:
             link.update(dataset_name=i.dataset.name, dataset_digest=i.dataset.digest)
     return link
 
