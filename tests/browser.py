@@ -55,7 +55,7 @@ def render(url: str, screenshot: Path, width: int = 1400, height: int = 900, bud
             ],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=300,  # a loaded 2-core host has taken over 120 s for the MLflow run page
         )
     assert proc.returncode == 0 and screenshot.is_file(), proc.stderr[-3000:]
     return proc.stdout
