@@ -274,8 +274,9 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration, nano-vllm's schedule -> run -> postprocess (vLLM's schedule ->
-        execute_model -> update_from_output): outputs of the requests that advanced."""
+        """One iteration: schedule -> execute -> sample -> update (nano-vllm's schedule -> run
+        -> postprocess, vLLM's schedule -> execute_model -> update_from_output), then the
+        step's metrics; outputs of the requests that advanced."""
         batch = self.scheduler.schedule()
         self.metrics.on_schedule(batch, now())
         output = self.runner.execute(batch)
