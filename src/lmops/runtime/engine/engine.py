@@ -50,6 +50,20 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes a new allocation may still take on `device`: CUDA's free memory; on CPU the
+    host's free pages, or what the container's cgroup limit leaves when that is less."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return free
+    return free if limit == "max" else min(free, int(limit) - used)
+
+
 class PromptTooLongError(ValueError):
     """The prompt leaves no room for a generated token within the model's context."""
 
@@ -100,7 +114,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # Drift sampling is systematic (every 1/drift_sample-th request), so runs are reproducible.
         self._drift_credit = 0.0
-        self._token_bytes = token_byte_lengths(tokenizer) if engine_config.drift_sample > 0 else None
+        self._token_bytes = token_byte_lengths(tokenizer)  # bits/byte's denominator
         self._grammars: GrammarCompiler | None = None  # made by the first structured request
         self._grammars_lock = threading.Lock()
         log.info(
@@ -156,10 +170,8 @@ class LLMEngine:
             # Room for max_num_seqs full-length sequences, twice over (the spare blocks keep
             # prefixes cached), within a share of the memory that is actually free.
             want = 2 * self.max_num_seqs * min_blocks * per_block
-            if self.device.type == "cuda":
-                cap = int(0.8 * torch.cuda.mem_get_info(self.device)[0])
-            else:
-                cap = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+            share = 0.8 if self.device.type == "cuda" else 0.25
+            cap = int(share * free_memory(self.device))
             kv_cache_memory = max(min(want, cap), min_blocks * per_block)
         num_blocks = int(kv_cache_memory) // per_block
         if num_blocks < min_blocks:
@@ -170,12 +182,23 @@ class LLMEngine:
             )
         return num_blocks
 
+    @property
+    def memory_bytes(self) -> int:
+        """What this engine holds on its device: the weights and the KV cache."""
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        return weights + self.pool.nbytes
+
     # -- requests ----------------------------------------------------------------------
 
     def make_request(
-        self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        score_prompt: bool = False,
     ) -> Request:
-        """Validate and tokenize (touches no engine state, so any thread may call it)."""
+        """Validate and tokenize (touches no engine state, so any thread may call it);
+        with `score_prompt`, the prompt's bits/byte is measured whatever the drift sample says."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -204,7 +227,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         spec = params.structured_outputs
         grammar = None if spec is None else self.grammars.matcher(spec)  # GrammarError: a ValueError
-        return Request(str(rid), text, ids, params, max_tokens, now(), grammar)
+        return Request(str(rid), text, ids, params, max_tokens, now(), grammar, score_prompt)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -238,9 +261,11 @@ class LLMEngine:
             self.metrics.on_structured_request(req.params.structured_outputs.kind)
         seq.pending_forks = req.params.n - 1
         self._drift_credit += self.engine_config.drift_sample
-        if self._drift_credit >= 1:
+        sampled = self._drift_credit >= 1
+        if sampled:
             self._drift_credit -= 1
-            seq.score_prompt = len(req.prompt_token_ids) > 1  # a 1-token prompt predicts nothing
+        # a 1-token prompt predicts nothing
+        seq.score_prompt = (sampled or req.score_prompt) and len(req.prompt_token_ids) > 1
         req.seqs.append(seq)
         self.requests[req.request_id] = req
         self.scheduler.add(seq)

@@ -99,9 +99,13 @@ class EngineLoop:
         return bool(self._inbox or self._streams)
 
     def submit(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        score_prompt: bool = False,
     ) -> RequestStream:
-        req = self.engine.make_request(request_id, prompt, params)  # raises ValueError here
+        req = self.engine.make_request(request_id, prompt, params, score_prompt)  # raises ValueError here
         with self._cv:
             if not self._accepting:
                 raise RuntimeError("shutting down")

@@ -269,8 +269,12 @@ class Request:
         max_tokens: int,
         arrival_time: float,
         grammar: llguidance.LLMatcher | None = None,
+        score_prompt: bool = False,
     ):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        # The prompt's bits/byte wanted whatever the drift sample says (the service's shadow
+        # comparison scores the same prompts on two models).
+        self.score_prompt = score_prompt
         self.params, self.max_tokens = params, max_tokens
         self.grammar = grammar  # the first sequence's; its siblings copy it when they fork
         self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(prompt_token_ids))
