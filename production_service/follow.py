@@ -4,8 +4,8 @@ link: `Source.locate`, no download) and swap a new version in (`Runtime.swap`), 
 a restart.
 
 A look that fails (the registry is down) keeps the version serving, is logged once
-until one succeeds again, and the next look waits twice as long, up to
-MAX_BACKOFF_S. A version that was refused (corrupt, unloadable) is not tried again
+until one succeeds again, and the next look waits twice as long, up to 16 polls or
+MAX_BACKOFF_S, whichever is shorter. A version that was refused (corrupt, unloadable) is not tried again
 until the source names another; two moves in quick succession end on the later one,
 since each look reads where the source points now.
 """
@@ -29,6 +29,7 @@ class Follower:
         self.runtime = runtime
         self.sources = [s for s in runtime.sources.values() if s.follows]
         self.poll_s = runtime.config.model_poll_s
+        self.max_delay = max(self.poll_s, min(MAX_BACKOFF_S, 16 * self.poll_s))
         self.refused: dict[str, str] = {}  # role -> the version refused last
         self.failing: set[str] = set()  # roles whose last look failed
 
@@ -40,7 +41,7 @@ class Follower:
         delay = self.poll_s
         while not self.runtime.stopping.wait(delay):
             failed = [s for s in self.sources if not self.look(s)]
-            delay = min(delay * 2, max(MAX_BACKOFF_S, self.poll_s)) if failed else self.poll_s
+            delay = min(delay * 2, self.max_delay) if failed else self.poll_s
 
     def look(self, source) -> bool:
         """Swap `source`'s new version in if it names one; False when the look failed."""
