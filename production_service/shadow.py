@@ -35,6 +35,8 @@ class Shadow:
     def __init__(self, runtime: Runtime, share: float):
         self.runtime, self.share = runtime, share
         self.metrics = runtime.metrics
+        for role in (CHAMPION, CHALLENGER):
+            self.metrics.shadow_bpb.labels(role)  # both series from the start, at 0
         self._credit = 0.0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(QUEUE_SIZE)
