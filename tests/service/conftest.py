@@ -30,38 +30,6 @@ def make_model_dir(directory: Path) -> Path:
     return make_tiny_model_dir(directory, max_seq_len=CONTEXT, meta=meta, text=text)
 
 
-@dataclass
-class Registry:
-    """A local SQLite MLflow registry holding the registered model `lmops`."""
-
-    uri: str
-    client: object  # mlflow.MlflowClient
-    experiment: str
-
-    def register(self, model_dir: Path, alias: str | None = None):
-        """`model_dir` as lmops' next version, logged as a run's artifacts in the layout the
-        pipeline's pyfunc has (the directory under model/artifacts/model_dir); `alias` moved to it."""
-        run = self.client.create_run(self.experiment)
-        self.client.log_artifacts(run.info.run_id, str(model_dir), "model/artifacts/model_dir")
-        self.client.set_terminated(run.info.run_id)
-        version = self.client.create_model_version(
-            "lmops", f"{run.info.artifact_uri}/model", run_id=run.info.run_id
-        )
-        if alias is not None:
-            self.client.set_registered_model_alias("lmops", alias, version.version)
-        return version
-
-
-def local_registry(root: Path) -> Registry:
-    import mlflow
-
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
-    experiment = client.create_experiment("service", artifact_location=str(root / "artifacts"))
-    client.create_registered_model("lmops")
-    return Registry(uri, client, experiment)
-
-
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("service-model"))

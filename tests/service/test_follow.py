@@ -18,11 +18,12 @@ import pytest
 import requests
 
 from lmops.errors import LmopsError
+from lmops.pipeline.scratch_registry import local_registry
 from lmops.runtime.model_dir import WEIGHTS_FILE, export
 from production_service.model_source import CHAMPION, Source
 from production_service.settings import ServiceConfig
 from tests.conftest import make_tiny_model_dir
-from tests.service.conftest import local_registry, make_model_dir, start_server
+from tests.service.conftest import make_model_dir, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -150,7 +151,7 @@ def test_a_promote_under_32_streams_drops_nothing_and_keeps_the_process(registry
     with Streamers(follower.url) as streams:
         wait_for(lambda: len(streams.answers) >= 32, 60, "32 answers from version 1")
         moved = time.monotonic()
-        registry.client.set_registered_model_alias("lmops", "champion", "2")
+        registry.move("champion", 2)
         first = wait_for(lambda: streams.first("2", moved), 20, "an answer from version 2")
         wait_for(lambda: streams.first("2", first + 1), 20, "a second more of version 2's answers")
     assert streams.failures == []

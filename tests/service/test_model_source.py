@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from lmops.errors import LmopsError
+from lmops.pipeline.scratch_registry import local_registry
 from production_service.model_source import resolve_model
-from tests.service.conftest import local_registry
 
 
 def test_local_directory_with_partial_metadata(model_dir, tmp_path):
