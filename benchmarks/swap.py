@@ -19,9 +19,9 @@ Three measurements, each against a baseline taken in the same run:
 - memory: `--memory-swaps` more swaps, 4 requests served after each; the worker's RSS
   once the old version is retired, the last against the first (every version is the
   same size, so the first is the steady level).
-- shadow: two servers side by side, one with a challenger (a second random model of the
-  same size) and LMOPS_SHADOW_SHARE=0.1, one without; the same clients drive them in
-  alternating rounds; the champion's TTFT p95 with shadow over without.
+- shadow: a replica with a challenger (a second random model of the same size) and
+  LMOPS_SHADOW_SHARE=0.1 against one without, each started afresh per round, the order
+  alternating (`--shadow-rounds`); the champion's TTFT p95 with shadow over without.
 
 Prints a table; writes benchmarks/results/swap-<device>.json (with the load average).
 """
@@ -139,35 +139,27 @@ def memory_phase(follower: Follower, proc, args, one_request) -> dict:
 
 
 def shadow_phase(model_dir: Path, challenger: Path, args, texts) -> dict:
-    """Champion TTFT p95 with a challenger shadowing 10% of prompts, over a replica without."""
-    servers = {
-        "off": start_server(model_dir, args.device),
-        "on": start_server(
-            model_dir, args.device, LMOPS_CHALLENGER_DIR=str(challenger), LMOPS_SHADOW_SHARE="0.1"
-        ),
-    }
-    tallies = {mode: Tally() for mode in servers}
-    try:
-        clients = {mode: http_client(url, None, args.max_tokens, texts) for mode, (_, url) in servers.items()}
-        for one_request in clients.values():  # warm-up
-            run_clients(Tally(), args.clients, 4, one_request)
-        for r in range(args.shadow_rounds):  # the order alternates too: neither always goes first
-            for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                run_clients(tallies[mode], args.clients, args.phase, clients[mode])
-        url = servers["on"][1]
-        mirrored = scrape(url, 'lmops:shadow_prompt_bits_per_byte_count{role="challenger"}')
-        dropped = scrape(url, "lmops:shadow_prompts_dropped_total")
-        bpb = (
-            {
-                role: scrape(url, f'lmops:shadow_prompt_bits_per_byte_sum{{role="{role}"}}') / mirrored
-                for role in ("champion", "challenger")
-            }
-            if mirrored
-            else {}
-        )
-    finally:
-        for proc, _ in servers.values():
-            stop(proc)
+    """Champion TTFT p95 with a challenger shadowing 10% of prompts, over a replica without.
+    One replica at a time, started afresh for each round (two idle side by side measured
+    apart by 2-4x, whichever started first being the slower), the order alternating."""
+    settings = {"off": {}, "on": {"LMOPS_CHALLENGER_DIR": str(challenger), "LMOPS_SHADOW_SHARE": "0.1"}}
+    tallies = {mode: Tally() for mode in settings}
+    mirrored = dropped = 0.0
+    sums = dict.fromkeys(("champion", "challenger"), 0.0)
+    for r in range(args.shadow_rounds):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            proc, url = start_server(model_dir, args.device, **settings[mode])
+            try:
+                one_request = http_client(url, None, args.max_tokens, texts)
+                run_clients(Tally(), args.clients, 4, one_request)  # warm-up
+                run_clients(tallies[mode], args.clients, args.phase, one_request)
+                if mode == "on":
+                    mirrored += scrape(url, 'lmops:shadow_prompt_bits_per_byte_count{role="challenger"}')
+                    dropped += scrape(url, "lmops:shadow_prompts_dropped_total")
+                    for role in sums:
+                        sums[role] += scrape(url, f'lmops:shadow_prompt_bits_per_byte_sum{{role="{role}"}}')
+            finally:
+                stop(proc)
     p95 = {mode: pct(t.ttft, 95) for mode, t in tallies.items()}
     return {
         "ttft_p95_off_ms": ms(p95["off"]),
@@ -176,36 +168,15 @@ def shadow_phase(model_dir: Path, challenger: Path, args, texts) -> dict:
         "requests": {mode: t.requests for mode, t in tallies.items()},
         "mirrored_scored": mirrored,
         "mirror_dropped": dropped,
-        "shadow_mean_bits_per_byte": {k: round(v, 3) for k, v in bpb.items()},
+        "shadow_mean_bits_per_byte": {role: round(v / mirrored, 3) for role, v in sums.items()}
+        if mirrored
+        else {},
         "errors": sum(len(t.errors) for t in tallies.values()),
     }
 
 
-def stop(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(60)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--phase", type=float, default=12.0, help="seconds per steady, swap or shadow phase")
-    ap.add_argument("--swaps", type=int, default=3)
-    ap.add_argument("--memory-swaps", type=int, default=20)
-    ap.add_argument("--shadow-rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--poll-s", type=float, default=ServiceConfig.model_fields["model_poll_s"].default)
-    ap.add_argument("--model-dir", type=Path, default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--output", type=Path, default=None)
-    args = ap.parse_args()
-
-    tmp = Path(tempfile.mkdtemp(prefix="lmops-swap-"))
-    model_dir = args.model_dir or build_random_model(tmp / "model")
-    challenger = build_random_model(tmp / "challenger", seed=1)
-    texts = prompts()
-    load_before = os.getloadavg()
-
+def follow(model_dir: Path, tmp: Path, args, texts) -> tuple[dict, dict]:
+    """The swap and memory measurements on a server following a registry alias."""
     registry = local_registry(tmp / "registry")
     registry.register(model_dir, "champion")
     registry.register(model_dir)
@@ -228,8 +199,34 @@ def main() -> None:
         swap["master_pid_kept"] = proc.poll() is None and proc.pid == master
     finally:
         stop(proc)
-    shadow = shadow_phase(model_dir, challenger, args, texts)
+    return swap, memory
 
+
+def stop(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--phase", type=float, default=12.0, help="seconds per steady, swap or shadow phase")
+    ap.add_argument("--swaps", type=int, default=3)
+    ap.add_argument("--memory-swaps", type=int, default=20)
+    ap.add_argument("--shadow-rounds", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--poll-s", type=float, default=ServiceConfig.model_fields["model_poll_s"].default)
+    ap.add_argument("--model-dir", type=Path, default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--only", choices=("swap", "shadow"), default=None, help="swap: swap and memory")
+    ap.add_argument("--output", type=Path, default=None)
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="lmops-swap-"))
+    model_dir = args.model_dir or build_random_model(tmp / "model")
+    challenger = build_random_model(tmp / "challenger", seed=1)
+    texts = prompts()
+    load_before = os.getloadavg()
     result = {
         "workload": {
             "clients": args.clients,
@@ -242,36 +239,60 @@ def main() -> None:
                 args.model_dir or "random weights, training default size (vocab 4096, 4 x 192, context 256)"
             ),
         },
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "device": args.device,
-            "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        },
-        "swap": swap,
-        "memory": memory,
-        "shadow": shadow,
-        "targets": {
-            "zero_errors": swap["errors"] == 0 and memory["errors"] == 0 and shadow["errors"] == 0,
-            "new_version_within_10_s": swap["swap_latency_max_s"] <= 10,
-            "ttft_p99_during_swap_within_2x": swap["ttft_p99_swap_over_steady"] <= 2,
-            "memory_back_to_steady_within_5%": memory["rss_last_over_first"] <= 1.05,
-            "shadow_10%_adds_at_most_5%_to_p95_ttft": shadow["ttft_p95_on_over_off"] <= 1.05,
-        },
     }
-    rows = [
-        ("swap latency, max of runs (s)", swap["swap_latency_max_s"], "each: " + str(swap["swap_latency_s"])),
-        ("TTFT p99 steady / during swap (ms)", swap["ttft_p99_steady_ms"], swap["ttft_p99_during_swap_ms"]),
-        ("TTFT p99 during swap / steady", swap["ttft_p99_swap_over_steady"], ""),
-        ("worker RSS after swap 1 / last (MiB)", memory["rss_first_mib"], memory["rss_last_mib"]),
-        ("TTFT p95 shadow off / 10% (ms)", shadow["ttft_p95_off_ms"], shadow["ttft_p95_on_ms"]),
-        (
-            "TTFT p95 shadow 10% / off",
-            shadow["ttft_p95_on_over_off"],
-            f"mirrored {shadow['mirrored_scored']:.0f}",
-        ),
-        ("errors (swap, memory, shadow)", swap["errors"], f"{memory['errors']}, {shadow['errors']}"),
-    ]
+    targets, rows = {}, []
+    if args.only != "shadow":
+        swap, memory = follow(model_dir, tmp, args, texts)
+        result.update(swap=swap, memory=memory)
+        targets.update(
+            {
+                "zero_errors_in_swaps": swap["errors"] == 0 and memory["errors"] == 0,
+                "master_pid_kept": swap["master_pid_kept"],
+                "new_version_within_10_s": swap["swap_latency_max_s"] <= 10,
+                "ttft_p99_during_swap_within_2x": swap["ttft_p99_swap_over_steady"] <= 2,
+                "memory_back_to_steady_within_5%": memory["rss_last_over_first"] <= 1.05,
+            }
+        )
+        rows += [
+            ("swap latency, max of runs (s)", swap["swap_latency_max_s"], f"each: {swap['swap_latency_s']}"),
+            (
+                "TTFT p99 steady / during swap (ms)",
+                swap["ttft_p99_steady_ms"],
+                swap["ttft_p99_during_swap_ms"],
+            ),
+            ("TTFT p99 during swap / steady", swap["ttft_p99_swap_over_steady"], ""),
+            (
+                f"worker RSS after swap 1 / {memory['swaps']} (MiB)",
+                memory["rss_first_mib"],
+                memory["rss_last_mib"],
+            ),
+            ("errors (swap, memory)", swap["errors"], memory["errors"]),
+        ]
+    if args.only != "swap":
+        shadow = shadow_phase(model_dir, challenger, args, texts)
+        result["shadow"] = shadow
+        targets.update(
+            {
+                "zero_errors_in_shadow": shadow["errors"] == 0,
+                "shadow_10%_adds_at_most_5%_to_p95_ttft": shadow["ttft_p95_on_over_off"] <= 1.05,
+            }
+        )
+        rows += [
+            ("TTFT p95 shadow off / 10% (ms)", shadow["ttft_p95_off_ms"], shadow["ttft_p95_on_ms"]),
+            (
+                "TTFT p95 shadow 10% / off",
+                shadow["ttft_p95_on_over_off"],
+                f"mirrored {shadow['mirrored_scored']:.0f}",
+            ),
+            ("errors (shadow)", shadow["errors"], ""),
+        ]
+    result["machine"] = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "device": args.device,
+        "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+    }
+    result["targets"] = targets
     print(f"\n{args.clients} streaming clients, {args.max_tokens} tokens each, {args.phase:.0f} s phases")
     for label, a, b in rows:
         print(f"{label:40}{a!s:>12}  {b}")

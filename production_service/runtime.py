@@ -11,6 +11,7 @@ is done.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
@@ -333,3 +334,9 @@ def _retire(served: Served, timeout: float) -> None:
     served.retire(timeout)
     del served
     gc.collect()  # the engine's tensors, now unreferenced, go back to the allocator
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)  # and the allocator's free pages to the system, swap after swap
+
+
+# glibc's, to hand freed heap pages back after a swap (None elsewhere: musl, macOS)
+_LIBC = ctypes.CDLL(None) if hasattr(ctypes.CDLL(None), "malloc_trim") else None
