@@ -45,11 +45,6 @@ log = logging.getLogger(__name__)
 # shrinks as a step's matrix products grow (measured in benchmarks/README.md: clear at 4
 # sequences, within noise at 16), so larger steps stay eager and engine start stays short.
 BATCH_SIZES = (1, 2, 4, 8, 16)
-# The graphs this process has loaded, by cache file name (structure and size): an engine
-# of a structure already loaded (the service's next version of a model, a challenger of
-# the same shape) takes them from here; loading them again would map another copy of
-# their code, never freed, at every swap.
-_LOADED: dict[str, AOTCompiledFunction] = {}
 
 
 class DecodeAttention:
@@ -131,8 +126,6 @@ class CompiledDecode:
         default model's 5 sizes, at every start); a saved graph loads in milliseconds."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
-        if name in _LOADED:
-            return _LOADED[name]
         path = self.cache_dir / name
         step = None
         if path.is_file():
@@ -150,7 +143,6 @@ class CompiledDecode:
             except OSError as exc:
                 log.warning("compiled decode: cannot cache %s: %s", path, exc)
         step.disable_guard_check()
-        _LOADED[name] = step
         return step
 
     def _eager_step(self, meta, tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
