@@ -115,7 +115,10 @@ def test_rules_and_dashboard_read_only_exported_metrics(exported):
     for want in ("Errors by status", "Queue and running", "KV cache usage", "Prefix cache hit rate"):
         assert want in panels
     assert "Drift: prompt bits per byte vs reference" in panels
-    assert {"Shadow: challenger vs champion bits per byte on live prompts", "Served versions and swaps"} <= panels
+    assert {
+        "Shadow: challenger vs champion bits per byte on live prompts",
+        "Served versions and swaps",
+    } <= panels
 
 
 def test_metric_names_reads_only_metrics():
