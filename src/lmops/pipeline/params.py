@@ -79,10 +79,17 @@ class TokenizerConfig(_Section):
     shard_bytes: Annotated[int, Field(ge=4)] = 1_000_000_000
 
 
+AUTO = "auto"
+
+
 class ModelConfig(LlamaShape, _Section):
     """params.yaml's face of the model's shape (`lmops.runtime.model_config.LlamaShape`, where its
     fields, defaults and checks are defined once): read as strictly as every section (no type
-    coercion) and taking the deprecated `block_size`. The tokenizer adds the vocabulary at train time."""
+    coercion) and taking the deprecated `block_size`. The tokenizer adds the vocabulary at train
+    time, and train replaces `dropout: auto` (the one value the shape itself does not take) with
+    what the data calls for (`lmops.pipeline.train.follow_the_data`)."""
+
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] | Literal["auto"] = AUTO
 
     @model_validator(mode="before")
     @classmethod
@@ -116,7 +123,8 @@ class TrainConfig(_Section):
     # steps, which fall linearly to min_lr. Under plateau and before wsd's cooldown nothing
     # depends on max_steps, so a longer run passes through every state of a shorter one, and
     # a checkpoint from there resumes under a raised max_steps (README, "Training longer").
-    lr_schedule: Literal["cosine", "plateau", "wsd"] = "cosine"
+    # auto: chosen by train from the epochs the run makes over its data (follow_the_data).
+    lr_schedule: Literal["auto", "cosine", "plateau", "wsd"] = AUTO
     lr_plateau_patience: PositiveInt = 1
     lr_plateau_factor: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5
     cooldown_fraction: Annotated[float, Field(gt=0.0, le=1.0, validate_default=True)] = 0.2
