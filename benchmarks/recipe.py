@@ -69,7 +69,10 @@ def base_params(args: argparse.Namespace) -> dict:
         base["data"]["max_bytes"] = args.max_bytes
     base["mlflow"]["tracking_uri"] = "sqlite:///mlflow.db"
     base["train"].update(
-        max_steps=args.steps, checkpoint_interval=args.steps, eval_interval=args.eval_interval
+        max_steps=args.steps,
+        checkpoint_interval=args.steps,
+        eval_interval=args.eval_interval,
+        threads=args.threads,
     )
     return base
 
@@ -223,6 +226,10 @@ def main() -> int:
         type=Path,
         help="an earlier run's JSON of the same corpus: its baseline row instead of training it again",
     )
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="the recipes alone (ratios against the first of them)"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="train.threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/recipe-cpu.json")
     args = parser.parse_args()
     earlier = json.loads(args.baseline_from.read_text()) if args.baseline_from else None
@@ -240,7 +247,7 @@ def main() -> int:
         runs = {
             name: train_and_score(work, base, o)
             for name, o in recipes(muon_lr, args.other_muon_lrs).items()
-            if (name == BASELINE and earlier is None)
+            if (name == BASELINE and earlier is None and not args.no_baseline)
             or name in args.recipes
             or name.startswith("muon + wsd, lr")
         }
@@ -251,7 +258,7 @@ def main() -> int:
 
     tokens_per_step = base["train"]["batch_size"] * base["model"]["max_seq_len"]
     if earlier is None:
-        reference = runs[BASELINE]
+        reference = next(iter(runs.values()))  # the baseline, or with --no-baseline the first recipe
         target = min(r["val_loss"] for r in reference["history"] if r.get("val_loss") is not None)
         _, reference_s = seconds_to(reference["history"], target)
         rows = []
@@ -294,7 +301,7 @@ def main() -> int:
             None if step is None else step * row["step_cost_ratio"] / first["step_at_baseline_loss"]
         )
 
-    print(f"\n{args.corpus}, {args.steps} steps; ratios vs {BASELINE}; baseline's best val loss {target:.4f}")
+    print(f"\n{args.corpus}; ratios vs {first['recipe']}, whose best val loss is {target:.4f}")
     print(
         f"{'recipe':<22} {'steps':>5} {'train s':>8} {'tok/s':>7} {'x tok/s':>8} {'val b/B':>8} {'test b/B':>9} "
         f"{'x test':>7} {'step@base':>9} {'x time':>7} {'x steps*cost':>12}"

@@ -198,6 +198,16 @@ DRY_RUNS = [
         ],
     ),
     (
+        "kubeflow.sh",
+        ("sweep",),
+        {"KFP_SWEEP": '[{"train.muon_lr": 0.01}]'},
+        [
+            "ClusterTrainingRuntime/lmops-torch",
+            "python kubeflow/pipeline.py submit --host https://kfp.invalid --package",
+            '--sweep \\[\\{\\"train.muon_lr\\":\\ 0.01\\}\\]',
+        ],
+    ),
+    (
         "smoke_test.sh",
         (),
         {"CLOUD": "aks"},
@@ -243,7 +253,10 @@ DRY_RUNS = [
 
 
 # What those dry runs must not print.
-DRY_RUNS_NEVER = {("kubeflow.sh", "pipeline"): ["TrainJob/lmops-train"]}
+DRY_RUNS_NEVER = {
+    ("kubeflow.sh", "pipeline"): ["TrainJob/lmops-train"],
+    ("kubeflow.sh", "sweep"): ["TrainJob/lmops-train"],
+}
 
 
 def stand_ins(folder: Path, kubectl: str) -> str:

@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from lmops import atomic
 from lmops.errors import LmopsError
 from lmops.runtime.model_config import LlamaShape
 
@@ -309,3 +310,30 @@ def load_params(path: str | Path = PARAMS_FILE) -> Params:
     except yaml.YAMLError as exc:
         raise LmopsError(f"{path}: not valid YAML: {exc}") from None
     return parse_params(raw, str(path))
+
+
+def update_params(path: str | Path, updates: Any) -> Params:
+    """Set dotted keys of a params file, `{"train.muon_lr": 0.01}` (what `dvc exp run -S` does,
+    for a Kubeflow sweep's steps): written only when the result is valid, checked as every
+    stage checks it. Comments are not kept: the file is dumped again."""
+    path = Path(path)
+    if updates == {}:  # a pipeline step without overrides
+        return load_params(path)
+    if not isinstance(updates, dict):
+        raise LmopsError(
+            f'{path}: expected a JSON object of SECTION.KEY values, e.g. {{"train.muon_lr": 0.01}}'
+        )
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    raw = raw or {}
+    for key, value in updates.items():
+        section, _, name = str(key).partition(".")
+        if not name or "." in name:
+            raise LmopsError(f"{path}: '{key}' is not SECTION.KEY (e.g. train.muon_lr)")
+        if not isinstance(raw.setdefault(section, {}), dict):
+            raise LmopsError(f"{path}: '{section}' is not a section")
+        raw[section][name] = value
+    said = ", ".join(f"{k}={v!r}" for k, v in updates.items())
+    params = parse_params(raw, f"{path} with {said}")
+    atomic.write_text(path, yaml.safe_dump(raw, sort_keys=False))
+    log.info("%s: %s", path, said)
+    return params
