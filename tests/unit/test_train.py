@@ -134,10 +134,21 @@ def test_values_given_are_kept_and_auto_choices_change_the_checkpoint_fingerprin
     assert fingerprint(few, 1, "d") != fingerprint(many, 1, "d")
 
 
-def test_an_auto_choice_that_does_not_fit_the_run_names_the_key_and_the_choice():
-    short = parse_params({"train": {"max_steps": 45, "warmup_steps": 40}})  # auto would be wsd here
-    with pytest.raises(LmopsError, match=r"auto chose .*train.lr_schedule wsd.*'train.cooldown_fraction'"):
-        follow_the_data(short, 10 * DEFAULT_RUN_TOKENS)
+def test_auto_picks_cosine_for_a_run_too_short_for_wsd_and_a_choice_is_checked_as_params_are():
+    short = parse_params({"train": {"max_steps": 45, "warmup_steps": 40}})  # warmup + 9 cooldown steps > 45
+    assert follow_the_data(short, 10 * DEFAULT_RUN_TOKENS)[0].train.lr_schedule == "cosine"
+    assert (
+        follow_the_data(
+            short.model_copy(update={"train": short.train.model_copy(update={"max_steps": 50})}), 1
+        )[0].train.lr_schedule
+        == "plateau"
+    )
+    # what auto chose goes through params.yaml's checks, and the message says it was auto's choice
+    odd = parse_params({"model": {"attention_dropout": None}}).model_copy(
+        update={"train": TrainConfig.model_construct(**{**TrainConfig().model_dump(), "max_steps": 0})}
+    )
+    with pytest.raises(LmopsError, match=r"params.yaml \(auto chose .* epochs\): 'train.max_steps'"):
+        follow_the_data(odd, 1000)
 
 
 def test_batches_depend_only_on_their_seed():

@@ -122,7 +122,8 @@ def lr_at(step: int, cfg: TrainConfig, plateau_decays: int = 0) -> float:
 # `auto` follows the epochs a run makes over its train split (max_steps x tokens per step /
 # train tokens), so one params.yaml suits a 1 MB corpus and a 1 GB one. Within FEW_EPOCHS
 # validation falls to the end (the default corpus makes 1.2): no dropout, and wsd, whose
-# constant phase lets the same run be trained longer. Past MANY_EPOCHS the model memorises
+# constant phase lets the same run be trained longer (cosine for a run too short for wsd's
+# warmup and cooldown). Past MANY_EPOCHS the model memorises
 # (validation turns up after ~5 epochs on tiny Shakespeare): dropout on the residual branches
 # (not on the attention weights, which costs 2.3x a CPU step) and plateau, which cuts the rate
 # whenever validation stalls. benchmarks/README.md, "The training recipe", has the measurements.
@@ -141,7 +142,8 @@ def follow_the_data(params: Params, train_tokens: int, world: int = 1) -> tuple[
         if params.model.attention_dropout is None:
             chosen["model"]["attention_dropout"] = 0.0
     if cfg.lr_schedule == AUTO:
-        chosen["train"]["lr_schedule"] = "plateau" if epochs > MANY_EPOCHS else "wsd"
+        fits = cfg.warmup_steps + cooldown_steps(cfg.max_steps, cfg.cooldown_fraction) <= cfg.max_steps
+        chosen["train"]["lr_schedule"] = "plateau" if epochs > MANY_EPOCHS else "wsd" if fits else "cosine"
     choices = {f"{section}.{key}": value for section, keys in chosen.items() for key, value in keys.items()}
     if not choices:
         return params, {"epochs": round(epochs, 3)}
