@@ -6,11 +6,15 @@ token ids; `BlockRemoved`: evicted hashes; `AllBlocksCleared`: a new or reset ca
 and the engine publishes each step's events as one `EventBatch`, as vLLM does:
 
 - a ZMQ PUB socket sends multipart `[topic, seq, payload]`, `seq` an 8-byte big-endian
-  counter from 0 and `payload` the msgpack of the batch (msgspec, positional arrays:
-  `array_like=True`, as vLLM's own subscriber example and llm-d's decoder read them);
+  counter from 0 and `payload` the msgpack of the batch (msgspec: the batch a positional
+  array `[ts, events, data_parallel_rank]`, each event a map tagged by its "type", as
+  vLLM encodes them since it dropped `array_like` from its event structs; llm-d's
+  decoder reads both layouts);
 - an optional ROUTER socket answers `[identity, b"", start_seq]` with every buffered
-  batch from `start_seq` on, `[identity, b"", seq, payload]` each, then `seq` -1 and
-  an empty payload, so a subscriber that saw a gap in `seq` can catch up.
+  batch from `start_seq` on, `[identity, b"", topic, seq, payload]` each, then `seq` -1
+  and an empty payload, so a subscriber that saw a gap in `seq` (or has just connected:
+  a PUB socket drops what it sends before a new subscription reaches it) can catch up.
+  The frames are those llm-d's replay reader (a DEALER socket) takes.
 
 The PUB socket is used by the engine's thread alone (the engine has one owner); a
 thread of this module owns the ROUTER socket and reads the replay buffer under a lock.
@@ -43,8 +47,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """vLLM's tagged event: encoded as [tag, field, ...]."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """vLLM's tagged event: a map of its fields and "type", the class name."""
 
 
 class BlockStored(KVCacheEvent):
@@ -137,8 +141,8 @@ class ZmqEventPublisher:
             with self._lock:
                 batches = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
             for seq, payload in batches:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((client, b"", END_SEQ, b""))
+                self._replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", self.topic, END_SEQ, b""))
 
     def close(self) -> None:
         if self._thread is not None:
