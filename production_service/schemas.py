@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from lmops.runtime.engine.config import PRIORITY_BOUND
 from lmops.runtime.engine.sampling import RANGES
 from production_service.errors import APIError
 
@@ -260,6 +261,12 @@ def request_models(limits: Limits) -> RequestModels:
         structured_outputs: StructuredOutputsRequest | None = Field(
             None, description="vLLM's: the output follows a JSON schema, regex, choice or grammar."
         )
+        priority: _int(
+            -PRIORITY_BOUND,
+            PRIORITY_BOUND - 1,
+            "vLLM extra: lower runs first, and is preempted last; only with "
+            "LMOPS_SCHEDULING_POLICY=priority. Default 0.",
+        ) = None
 
     class CompletionRequest(Generation):
         prompt: (

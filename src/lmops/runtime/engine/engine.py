@@ -11,6 +11,7 @@ import math
 import os
 import threading
 import uuid
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -405,9 +406,8 @@ class LLMEngine:
             self.metrics.on_prompt_scored(seq.request.metrics, seq.prompt_nll / math.log(2) / n_bytes)
 
     def _update_gauges(self) -> None:
-        self.metrics.set_state(
-            running=self.num_running, waiting=self.num_waiting, kv_usage=self.block_manager.usage
-        )
+        waiting = Counter({s.request.request_id: s.request.priority for s in self.scheduler.waiting}.values())
+        self.metrics.set_state(running=self.num_running, waiting=waiting, kv_usage=self.block_manager.usage)
 
     def generate(
         self,
