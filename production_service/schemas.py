@@ -503,6 +503,12 @@ class Tokens(BaseModel):
     token_strs: list[str] | None = None
 
 
+class Rendered(BaseModel):
+    """vLLM's render answer (the part llm-d's token producer reads): one prompt's token ids."""
+
+    token_ids: list[int]
+
+
 class Detokenized(BaseModel):
     prompt: str
 
@@ -654,6 +660,21 @@ def build_document(limits: Limits, api_key: bool) -> dict:
         "/detokenize": post(
             "vLLM's: token ids to text", "DetokenizeRequest", _json("Detokenized", "The text"), 404
         ),
+        "/v1/completions/render": post(
+            "vLLM's: each prompt's token ids (for llm-d's token producer; keyless on the probe port)",
+            "CompletionRequest",
+            {
+                "description": "One entry per prompt",
+                "content": {"application/json": {"schema": {"type": "array", "items": _ref("Rendered")}}},
+            },
+            404,
+        ),
+        "/v1/chat/completions/render": post(
+            "vLLM's: the chat prompt's token ids (for llm-d's token producer; keyless on the probe port)",
+            "ChatCompletionRequest",
+            _json("Rendered", "Token ids"),
+            404,
+        ),
         "/predict": post(
             "The simple form: a prompt in, a completion out",
             "PredictRequest",
@@ -684,6 +705,7 @@ def build_document(limits: Limits, api_key: bool) -> dict:
         ChatCompletion,
         ChatCompletionChunk,
         Tokens,
+        Rendered,
         Detokenized,
         Prediction,
         ModelList,

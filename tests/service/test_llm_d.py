@@ -100,3 +100,27 @@ def test_an_endpoint_that_cannot_bind_stops_the_start_in_one_line(model_dir, tmp
     (line,) = [line for line in server.log_lines() if "cannot bind" in line]
     assert endpoint in line and "Address already in use" in line
     assert "Traceback" not in server.log.read_text()
+
+
+def test_the_probe_port_renders_prompts_for_the_token_producer(replica):
+    """llm-d's token producer posts the request body to vLLM's render routes; the probe
+    port answers without an API key, with the ids the engine would run."""
+    server, _ = replica
+    body = {"model": "lmops-tiny", "prompt": [PROMPT, "x = 1"], "max_tokens": 3, "priority": 2}
+    r = requests.post(f"{server.probe_url}/v1/completions/render", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    for rendered, text in zip(r.json(), body["prompt"], strict=True):
+        tokenized = requests.post(
+            f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30
+        )
+        assert rendered == {"token_ids": tokenized.json()["tokens"]}
+    messages = [{"role": "user", "content": PROMPT}]
+    r = requests.post(
+        f"{server.probe_url}/v1/chat/completions/render", json={"messages": messages}, timeout=30
+    )
+    tokenized = requests.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"token_ids": tokenized.json()["tokens"]}
+    r = requests.post(
+        f"{server.probe_url}/v1/completions/render", json={"prompt": PROMPT, "bogus": 1}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
