@@ -141,6 +141,16 @@ DRY_RUNS = [
     (
         "deploy.sh",
         (),
+        {"CLOUD": "eks", "GATEWAY": "precise"},
+        [
+            f"rendered deploy/eks/gateway-precise with image {ECR}@{DRY_DIGEST}",
+            "kubectl --namespace lmops get gateway inference-gateway --output name",
+            "kubectl --namespace lmops rollout status deployment/lmops-epp --timeout=10m",
+        ],
+    ),
+    (
+        "deploy.sh",
+        (),
         {"CLOUD": "eks", "CANARY": "1", "GPU": "1"},
         [
             "aws ecr describe-images --region eu-west-1 --repository-name lmops --image-ids imageTag=0123abcd-cuda",
