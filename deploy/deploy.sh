@@ -87,7 +87,11 @@ esac
 overlay=deploy/$CLOUD
 timeout=${ROLLOUT_TIMEOUT:-10m}
 gateway=""
-if [ "${GATEWAY:-}" = precise ]; then gateway=gateway-precise; elif truthy "${GATEWAY:-}"; then gateway=gateway; fi
+if [ "${GATEWAY:-}" = precise ]; then
+  gateway="gateway-precise"
+elif truthy "${GATEWAY:-}"; then
+  gateway="gateway"
+fi
 if [ -n "$gateway" ]; then
   if truthy "${CANARY:-}" || truthy "${GPU:-}"; then
     die "GATEWAY=1 cannot be combined with CANARY or GPU: deploy/$CLOUD/gateway is the CPU overlay behind the Inference Gateway (unset CANARY and GPU, or GATEWAY)"
