@@ -168,6 +168,17 @@ DRY_RUNS = [
     (
         "kubeflow.sh",
         ("deploy",),
+        {"LLM": "1"},
+        [
+            "LLMInferenceServiceConfig/lmops-runtime",
+            "LLMInferenceService/lmops",
+            "kubectl apply --filename",
+            "wait llminferenceservice/lmops --for=condition=Ready",
+        ],
+    ),
+    (
+        "kubeflow.sh",
+        ("deploy",),
         {"CANARY": "true", "PROMETHEUS_URL": "http://prometheus.invalid:9090"},
         [
             "kubectl apply --filename",
@@ -311,6 +322,13 @@ def test_missing_or_wrong_settings_stop_with_a_clear_message(script, env, messag
     proc = run_script(script, "--dry-run", path_prefix=stand_ins(tmp_path / "bin", kubectl), **env)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "printed, not run" not in proc.stderr  # the dry run stopped: it printed not all of it
+
+
+@pytest.mark.parametrize("other", ["GPU", "CANARY"])
+def test_kubeflow_llm_deploy_is_its_own_variant(other, tmp_path, kubectl):
+    bin_dir = stand_ins(tmp_path / "bin", kubectl)
+    proc = run_script("kubeflow.sh", "--dry-run", "deploy", path_prefix=bin_dir, LLM="1", **{other: "1"})
+    assert proc.returncode != 0 and "LLM=1 cannot be combined with GPU or CANARY" in proc.stderr, proc.stderr
 
 
 def test_kubeflow_needs_a_kubeconfig_only_to_run_for_real(tmp_path, kubectl):
