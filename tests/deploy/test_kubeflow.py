@@ -376,6 +376,9 @@ def test_the_lmops_preset_is_what_kserve_and_the_service_expect(monkeypatch):
     assert service["baseRefs"] == [{"name": docs["LLMInferenceServiceConfig"]["metadata"]["name"]}]
     (main,) = preset["template"]["containers"]
     assert main["name"] == "main"
+    # KServe's own template (merged first) runs vLLM: the image's command must replace it.
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert f"CMD {json.dumps(main['command'])}" in dockerfile
     ports = {p["name"]: p["containerPort"] for p in main["ports"]}
     env = {e["name"]: e.get("value") for e in main["env"]}
     for name, value in env.items():
