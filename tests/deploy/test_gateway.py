@@ -226,6 +226,13 @@ def test_every_replica_publishes_where_the_precise_picker_subscribes(kubectl):
     config = yaml.safe_load(docs["ConfigMap", volume["configMap"]["name"]]["data"]["epp-config.yaml"])
     assert config == yaml.safe_load((REPO / "deploy/gateway/precise/epp-config.yaml").read_text())
     plugins = {p["type"]: p.get("parameters", {}) for p in config["plugins"]}
+    # It reads lmops' metrics as the approximate config does (whose names a live server's
+    # /metrics is checked for: tests/service/test_endpoint_picker.py).
+    approx = yaml.safe_load((REPO / "deploy/gateway/epp-config.yaml").read_text())
+    approx_plugins = {p["type"]: p.get("parameters", {}) for p in approx["plugins"]}
+    for shared in ("metrics-data-source", "core-metrics-extractor"):
+        assert plugins[shared] == approx_plugins[shared]
+    assert config["schedulingProfiles"] == approx["schedulingProfiles"]
     producer = plugins["precise-prefix-cache-producer"]
     discovery = producer["kvEventsConfig"]["podDiscoveryConfig"]
     assert producer["kvEventsConfig"]["discoverPods"] is True
