@@ -36,6 +36,8 @@ class Limits:
     # The longest token in characters: a text longer than max_token_chars * N
     # characters has more than N tokens, which is known without tokenizing it.
     max_token_chars: int = 1
+    # LMOPS_SCHEDULING_POLICY=priority: a request may set its priority (under fcfs only 0).
+    priority_scheduling: bool = False
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -46,7 +48,7 @@ class Limits:
         return self.max_prompt_tokens * self.max_token_chars
 
 
-UNLOADED = Limits(max_model_len=2**31 - 1, vocab_size=2**31 - 1, max_num_seqs=MAX_N)
+UNLOADED = Limits(max_model_len=2**31 - 1, vocab_size=2**31 - 1, max_num_seqs=MAX_N, priority_scheduling=True)
 
 
 class _Request(BaseModel):
@@ -261,11 +263,16 @@ def request_models(limits: Limits) -> RequestModels:
         structured_outputs: StructuredOutputsRequest | None = Field(
             None, description="vLLM's: the output follows a JSON schema, regex, choice or grammar."
         )
-        priority: _int(
-            -PRIORITY_BOUND,
-            PRIORITY_BOUND - 1,
-            "vLLM extra: lower runs first, and is preempted last; only with "
-            "LMOPS_SCHEDULING_POLICY=priority. Default 0.",
+        priority: (
+            _int(
+                -PRIORITY_BOUND,
+                PRIORITY_BOUND - 1,
+                "vLLM extra: lower runs first, and is preempted last. Default 0.",
+            )
+            if limits.priority_scheduling
+            else _int(
+                0, 0, "vLLM extra: only 0 here, which serves in arrival order (LMOPS_SCHEDULING_POLICY=fcfs)."
+            )
         ) = None
 
     class CompletionRequest(Generation):

@@ -124,3 +124,14 @@ def test_the_probe_port_renders_prompts_for_the_token_producer(replica):
         f"{server.probe_url}/v1/completions/render", json={"prompt": PROMPT, "bogus": 1}, timeout=30
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+
+
+def test_under_fcfs_the_document_and_the_api_allow_priority_0_only(client):
+    """The default policy serves in arrival order: its /openapi.json says priority 0 only,
+    and a request with another one is a 400 naming the field."""
+    doc = client.get("/openapi.json").get_json()
+    (field,) = doc["components"]["schemas"]["CompletionRequest"]["properties"]["priority"]["anyOf"][:1]
+    assert (field["minimum"], field["maximum"]) == (0, 0)
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": 3})
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "priority"
+    assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": 0}).status_code == 200
