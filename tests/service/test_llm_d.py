@@ -134,4 +134,7 @@ def test_under_fcfs_the_document_and_the_api_allow_priority_0_only(client):
     assert (field["minimum"], field["maximum"]) == (0, 0)
     r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": 3})
     assert r.status_code == 400 and r.get_json()["error"]["param"] == "priority"
-    assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": 0}).status_code == 200
+    assert (
+        client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": 0}).status_code
+        == 200
+    )
