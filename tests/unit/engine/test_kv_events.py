@@ -133,6 +133,21 @@ def test_a_missed_batch_is_replayed(served):
     assert stored(sub.events())[1].token_ids == missed[: 2 * BLOCK]
 
 
+def test_a_new_model_on_the_same_publisher_clears_what_the_old_one_announced(served, model_dir):
+    """The live-champion swap: the new engine takes over the sockets, and the subscriber
+    sees one stream: the old engine's blocks, AllBlocksCleared, the new engine's blocks."""
+    old, sub = served
+    prompt = list(range(30, 30 + 2 * BLOCK + 1))
+    old.generate([prompt], ONE_TOKEN)
+    new = LLMEngine.from_pretrained(model_dir, device="cpu", block_size=BLOCK, kv_events=old.kv_events)
+    new.generate([prompt], ONE_TOKEN)
+    sub.poll(lambda s: len(stored(s.events())) == 2)
+    kinds = [type(e).__name__ for e in sub.events()]
+    assert kinds == ["AllBlocksCleared", "BlockStored", "AllBlocksCleared", "BlockStored"]
+    first, second = stored(sub.events())
+    assert first.token_ids == second.token_ids == prompt[: 2 * BLOCK]
+
+
 def test_a_bound_endpoint_serves_a_connecting_subscriber(model_dir, tmp_path):
     """vLLM's rule: ipc:// (like tcp://*) is bound by the engine; the subscriber connects."""
     endpoint, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"

@@ -132,11 +132,15 @@ class LLMEngine:
         cls,
         model_dir: str | Path,
         engine_config: EngineConfig | None = None,
+        *,
+        kv_events: ZmqEventPublisher | None = None,
         **overrides,
     ) -> LLMEngine:
         """Load a model directory (config.json, model.safetensors, tokenizer.json, and
         generation_config.json for extra EOS ids when present) with `engine_config`, any of
-        whose fields `overrides` replace (`from_pretrained(d, device="cpu", block_size=8)`)."""
+        whose fields `overrides` replace (`from_pretrained(d, device="cpu", block_size=8)`).
+        `kv_events`: the publisher of the engine this one replaces (a new model served on
+        the same event endpoints; its first batch clears what the old one announced)."""
         try:
             ec = replace(engine_config or EngineConfig(), **overrides)
         except (TypeError, ValueError) as exc:
@@ -153,7 +157,13 @@ class LLMEngine:
             raise LmopsError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {ec.dtype!r}")
         tokenizer = load_tokenizer(d)
         model = Llama.from_pretrained(d, dev, dt)
-        return cls(model, tokenizer, ec, eos_token_ids=eos_token_ids(d, model.config.eos_token_id))
+        return cls(
+            model,
+            tokenizer,
+            ec,
+            eos_token_ids=eos_token_ids(d, model.config.eos_token_id),
+            kv_events=kv_events,
+        )
 
     def reset_metrics(self) -> None:
         """Fresh Prometheus metrics (the service drops its warm-up's); the cache's shape stays."""
