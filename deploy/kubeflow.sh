@@ -3,7 +3,10 @@
 #
 #   deploy/kubeflow.sh [--dry-run] deploy     InferenceService (GPU=1: the GPU variant),
 #                                             waits until it is Ready; CANARY=1: a canary
-#                                             release (below)
+#                                             release (below); LLM=1: KServe's LLM path
+#                                             instead, kubeflow/llminferenceservice.yaml
+#                                             (the lmops-runtime preset and the
+#                                             LLMInferenceService lmops), waits until Ready
 #   deploy/kubeflow.sh [--dry-run] train      TrainJob lmops-train on the ClusterTrainingRuntime
 #                                             lmops-torch (replaces a finished one)
 #   deploy/kubeflow.sh [--dry-run] pipeline   applies what its train step's TrainJob needs
@@ -86,6 +89,19 @@ canary_release() {
 
 case "$action" in
   deploy)
+    if truthy "${LLM:-}"; then
+      if truthy "${GPU:-}" || truthy "${CANARY:-}"; then
+        die "LLM=1 cannot be combined with GPU or CANARY: kubeflow/llminferenceservice.yaml is its own (unset GPU and CANARY, or LLM)"
+      fi
+      render kubeflow/llminferenceservice.yaml lmops "$image" "$namespace"
+      use_cluster kubeflow
+      check_api_key_secret "$namespace"
+      run kubectl apply --filename "$WORK/manifests.yaml"
+      run kubectl --namespace "$namespace" wait llminferenceservice/lmops --for=condition=Ready \
+        --timeout="${ROLLOUT_TIMEOUT:-15m}" ||
+        die "LLMInferenceService lmops did not become Ready with $image: kubectl --namespace $namespace describe llminferenceservice lmops"
+      exit 0
+    fi
     manifest=kubeflow/inferenceservice.yaml
     if truthy "${GPU:-}"; then manifest=kubeflow/inferenceservice-gpu.yaml; fi
     patch=""

@@ -145,10 +145,11 @@ def queue_full() -> APIError:
 def submit(runtime, body, stats: RequestStats, prompts: list[tuple[str, list[int]]]) -> list[Job]:
     """Submit every (text, token ids) prompt, or none: a failure cancels what was already submitted."""
     params = sampling_params(body, runtime.sampling_defaults)
+    priority = getattr(body, "priority", None) or 0
     jobs: list[Job] = []
     try:
         for text, ids in prompts:
-            jobs.append(Job(text, runtime.loop.submit(ids, params)))
+            jobs.append(Job(text, runtime.loop.submit(ids, params, priority=priority)))
             stats.prompt_tokens += len(ids)
     except QueueFullError:
         raise queue_full() from None
@@ -163,7 +164,7 @@ def submit(runtime, body, stats: RequestStats, prompts: list[tuple[str, list[int
     except GrammarError as exc:
         raise structured.invalid(body, exc, params.structured_outputs) from None
     except ValueError as exc:
-        param = "n" if str(exc).startswith("n ") else "prompt"
+        param = next((f for f in ("n", "priority") if str(exc).startswith(f"{f} ")), "prompt")
         raise APIError(400, str(exc), code="invalid_value", param=param) from None
     except RuntimeError as exc:
         draining = runtime.state in ("draining", "stopped")

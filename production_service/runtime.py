@@ -97,6 +97,7 @@ class Runtime:
                 vocab_size=engine.model_config.vocab_size,
                 max_num_seqs=engine.max_num_seqs,
                 max_token_chars=max(map(len, engine.tokenizer.get_vocab())),
+                priority_scheduling=engine.engine_config.scheduling_policy == "priority",
             )
             self.created = int(time.time())
             self.state = "ready"

@@ -13,7 +13,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from lmops.runtime.engine.config import EngineConfig
+from production_service.settings import ServiceConfig
 from tests.deploy.conftest import BIN, REPO
+from tests.deploy.test_kubernetes import validate
 
 PIPELINE = REPO / "kubeflow" / "pipeline.yaml"
 SWEEP = REPO / "kubeflow" / "sweep.yaml"
@@ -424,3 +427,70 @@ mkdir -p data/processed/tokens && echo merged > data/processed/tokens/index.json
     proc = run_stage(args, bin_dir, app)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "index.json").read_text() == "merged\n"
+
+
+LLM_MANIFEST = REPO / "kubeflow" / "llminferenceservice.yaml"
+
+
+def llm_docs() -> dict[str, dict]:
+    return {d["kind"]: d for d in yaml.safe_load_all(LLM_MANIFEST.read_text())}
+
+
+def test_the_llm_inference_service_validates_against_kserves_crds():
+    proc = validate(LLM_MANIFEST)
+    assert proc.returncode == 0 and proc.stdout.count("ok ") == 2, proc.stdout + proc.stderr
+
+
+def test_the_llm_inference_service_validation_is_strict(tmp_path):
+    """One fault in each place: the service, the preset's pod, its inline picker config."""
+    faults = []
+    for fault in (
+        lambda d: d["LLMInferenceService"]["spec"].update(replica=2),
+        lambda d: d["LLMInferenceService"]["spec"]["model"].pop("uri"),
+        lambda d: d["LLMInferenceServiceConfig"]["spec"]["template"]["containers"][0].update(port=8000),
+        lambda d: d["LLMInferenceServiceConfig"]["spec"]["router"]["scheduler"]["config"]["inline"][
+            "plugins"
+        ].append({"type": "queue-scorr"}),
+    ):
+        docs = llm_docs()
+        fault(docs)
+        faults += [docs["LLMInferenceServiceConfig"], docs["LLMInferenceService"]]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump_all(faults))
+    proc = validate(tmp_path / "bad.yaml")
+    assert proc.returncode != 0 and proc.stdout.count("FAIL") == 4, proc.stdout
+
+
+def test_the_lmops_preset_is_what_kserve_and_the_service_expect(monkeypatch):
+    """KServe's contract (container `main`, port 8000, the model under /mnt/models), the
+    service's own settings (parsed as the service does), probes on the probe port, and the
+    picker reading lmops' metrics as the gateway's does."""
+    docs = llm_docs()
+    preset, service = docs["LLMInferenceServiceConfig"]["spec"], docs["LLMInferenceService"]["spec"]
+    assert service["baseRefs"] == [{"name": docs["LLMInferenceServiceConfig"]["metadata"]["name"]}]
+    (main,) = preset["template"]["containers"]
+    assert main["name"] == "main"
+    # KServe's own template (merged first) runs vLLM: the image's command must replace it.
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert f"CMD {json.dumps(main['command'])}" in dockerfile
+    ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    for name, value in env.items():
+        if value is not None:
+            monkeypatch.setenv(name, value)
+    config = ServiceConfig.from_env()
+    assert config.port == ports["http"] == 8000 and config.probe_port == ports["probes"]
+    assert str(config.model_dir) == "/mnt/models"  # KServe's storage initializer mounts the model here
+    assert config.engine.scheduling_policy == "priority" and config.engine == EngineConfig(
+        scheduling_policy="priority", device="auto"
+    )
+    assert {main[p]["httpGet"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {
+        "probes"
+    }
+    assert main["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert service["model"]["uri"].startswith("pvc://") and service["model"]["name"] == "lmops"
+    inline = preset["router"]["scheduler"]["config"]["inline"]
+    assert inline == yaml.safe_load((REPO / "deploy/gateway/epp-config.yaml").read_text())
+    extractor = next(p for p in inline["plugins"] if p["type"] == "core-metrics-extractor")
+    assert preset["labels"]["llm-d.ai/engine-type"] == extractor["parameters"]["defaultEngine"]
+    metrics = next(p for p in inline["plugins"] if p["type"] == "metrics-data-source")
+    assert metrics["parameters"]["port"] == ports["probes"]

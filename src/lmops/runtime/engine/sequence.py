@@ -269,9 +269,11 @@ class Request:
         max_tokens: int,
         arrival_time: float,
         grammar: llguidance.LLMatcher | None = None,
+        priority: int = 0,
     ):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.params, self.max_tokens = params, max_tokens
+        self.priority = priority  # vLLM's: lower runs first (the "priority" scheduling policy)
         self.grammar = grammar  # the first sequence's; its siblings copy it when they fork
         self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.seqs: list[Sequence] = []
