@@ -294,7 +294,8 @@ def main() -> int:
         row["time_to_baseline_loss_ratio"] = None if secs is None else secs / reference_s
         # The same from step counts and the interleaved optimizer timing, which other jobs on
         # the box do not skew: steps to the baseline's loss x each step's cost.
-        muon = row["overrides"].get("train", {}).get("optimizer", base["train"]["optimizer"]) == "muon"
+        optimizer = row["overrides"].get("train", {}).get("optimizer", base["train"]["optimizer"])
+        muon = row["recipe"] != BASELINE and optimizer == "muon"
         row["step_cost_ratio"] = (train_step_ms + extra_ms) / train_step_ms if muon else 1.0
         step = row["step_at_baseline_loss"]
         row["steps_x_cost_to_baseline_loss_ratio"] = (

@@ -121,7 +121,7 @@ def lr_at(step: int, cfg: TrainConfig, plateau_decays: int = 0) -> float:
 
 # `auto` follows the epochs a run makes over its train split (max_steps x tokens per step /
 # train tokens), so one params.yaml suits a 1 MB corpus and a 1 GB one. Within FEW_EPOCHS
-# validation falls to the end (the default corpus makes 1.2): no dropout, and wsd, whose
+# validation falls to the end (the default corpus makes 1.04): no dropout, and wsd, whose
 # constant phase lets the same run be trained longer (cosine for a run too short for wsd's
 # warmup and cooldown). Past MANY_EPOCHS the model memorises
 # (validation turns up after ~5 epochs on tiny Shakespeare): dropout on the residual branches
