@@ -287,19 +287,20 @@ def main() -> int:
     first = rows[0]
     train_step_ms = 1000 * tokens_per_step / first["tokens_per_sec"]
     extra_ms = step_ms["muon"] - step_ms["adamw"]
+    for row in rows:  # each step's cost against an AdamW step (the baseline's, when it is there)
+        optimizer = row["overrides"].get("train", {}).get("optimizer", base["train"]["optimizer"])
+        muon = row["recipe"] != BASELINE and optimizer == "muon"
+        row["step_cost_ratio"] = (train_step_ms + extra_ms) / train_step_ms if muon else 1.0
     for row in rows:
         row["test_ratio"] = row["test_bits_per_byte"] / first["test_bits_per_byte"]
         row["tokens_per_sec_ratio"] = row["tokens_per_sec"] / first["tokens_per_sec"]
         secs = row["seconds_to_baseline_loss"]
         row["time_to_baseline_loss_ratio"] = None if secs is None else secs / reference_s
         # The same from step counts and the interleaved optimizer timing, which other jobs on
-        # the box do not skew: steps to the baseline's loss x each step's cost.
-        optimizer = row["overrides"].get("train", {}).get("optimizer", base["train"]["optimizer"])
-        muon = row["recipe"] != BASELINE and optimizer == "muon"
-        row["step_cost_ratio"] = (train_step_ms + extra_ms) / train_step_ms if muon else 1.0
-        step = row["step_at_baseline_loss"]
+        # the box do not skew: steps to the baseline's loss x each step's cost, against the first's.
+        step, cost = row["step_at_baseline_loss"], row["step_cost_ratio"] / first["step_cost_ratio"]
         row["steps_x_cost_to_baseline_loss_ratio"] = (
-            None if step is None else step * row["step_cost_ratio"] / first["step_at_baseline_loss"]
+            None if step is None else step * cost / first["step_at_baseline_loss"]
         )
 
     print(f"\n{args.corpus}; ratios vs {first['recipe']}, whose best val loss is {target:.4f}")
