@@ -127,13 +127,18 @@ def tokenized_project(tmp_path_factory) -> Path:
 
 
 def make_tiny_model_dir(
-    directory: Path, max_seq_len: int = 128, meta: dict | None = None, text: str | None = None
+    directory: Path,
+    max_seq_len: int = 128,
+    meta: dict | None = None,
+    text: str | None = None,
+    seed: int | None = None,
 ) -> Path:
-    """A randomly initialised tiny Llama directory in the HF layout the pipeline exports."""
+    """A randomly initialised tiny Llama directory in the HF layout the pipeline exports
+    (`seed` fixes its weights, for a test whose outcome depends on them)."""
     from lmops.pipeline.random_model import random_model_dir
 
     text = text or "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400))
-    return random_model_dir(directory, [text], 300, max_seq_len, meta=meta or {}, **TINY_SHAPE)
+    return random_model_dir(directory, [text], 300, max_seq_len, seed=seed, meta=meta or {}, **TINY_SHAPE)
 
 
 @pytest.fixture(scope="session")

@@ -217,7 +217,9 @@ def test_openai_sdk_parse_and_extra_body_against_gunicorn(server):
 def test_openai_sdk_tool_calls_round_trip_against_gunicorn(tmp_path):
     """The README's tool-call example, streamed and not, then the tool's answer sent back,
     on a replica whose model has room for the tools' description (1024 tokens of context)."""
-    model_dir = make_tiny_model_dir(tmp_path / "lmops-tiny", max_seq_len=1024)
+    # seeded: whether a sampled call ends within max_tokens depends on the weights, which
+    # would otherwise change with whatever drew random numbers before this test
+    model_dir = make_tiny_model_dir(tmp_path / "lmops-tiny", max_seq_len=1024, seed=0)
     server = start_server(model_dir, tmp_path / "server.log")
     try:
         tool_round_trip(openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=30))
