@@ -301,15 +301,18 @@ def parse_params(raw: Any, origin: str = PARAMS_FILE) -> Params:
         raise LmopsError(f"{origin}: {problems}") from None
 
 
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise LmopsError(f"{path}: not valid YAML: {exc}") from None
+
+
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
     path = Path(path)
     if not path.is_file():
         raise LmopsError(f"{path}: params file not found (run from the repository root)")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise LmopsError(f"{path}: not valid YAML: {exc}") from None
-    return parse_params(raw, str(path))
+    return parse_params(_read_yaml(path), str(path))
 
 
 def update_params(path: str | Path, updates: Any) -> Params:
@@ -323,8 +326,9 @@ def update_params(path: str | Path, updates: Any) -> Params:
         raise LmopsError(
             f'{path}: expected a JSON object of SECTION.KEY values, e.g. {{"train.muon_lr": 0.01}}'
         )
-    raw = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    raw = raw or {}
+    raw = (_read_yaml(path) if path.is_file() else None) or {}
+    if not isinstance(raw, dict):
+        raise LmopsError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     for key, value in updates.items():
         section, _, name = str(key).partition(".")
         if not name or "." in name:
