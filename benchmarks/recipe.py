@@ -1,8 +1,10 @@
-"""The training recipe (issue 32): today's default, AdamW with warmup + cosine, against Muon
-(`train.optimizer: muon`) with cosine and with wsd, at equal steps, in the same run.
+"""The training recipe (issue 32): the recipe before it (AdamW, warmup + cosine, no dropout)
+against params.yaml's defaults and variants of them (Muon with cosine or wsd, an untied
+head), at equal steps, in the same run.
 
     python benchmarks/recipe.py [--steps 300] [--max-bytes 8000000] [--corpus stdlib|shakespeare]
-        [--muon-lr LR] [--other-muon-lrs LR ...] [--eval-interval 25] [--out benchmarks/results/recipe-cpu.json]
+        [--recipes NAME ...] [--muon-lr LR] [--other-muon-lrs LR ...] [--eval-interval 25]
+        [--out benchmarks/results/recipe-cpu.json]
 
 One project in a temporary directory: params.yaml's defaults (the default corpus capped at
 --max-bytes, or ../shared/data/tinyshakespeare.txt with nanoGPT's tail split), get_data,
@@ -24,11 +26,13 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
 import yaml
 from gate import cpu, lmops
 
@@ -38,13 +42,21 @@ BASELINE = "adamw + cosine"
 
 
 def recipes(muon_lr: float, other_lrs: list[float]) -> dict[str, dict]:
-    """Each recipe's train overrides of params.yaml, whatever its defaults (the first is the baseline)."""
-    muon = {"optimizer": "muon", "muon_lr": muon_lr, "lr_schedule": "cosine"}
+    """Each recipe's overrides of params.yaml, by section (the first is the baseline: the
+    recipe before issue 32, whatever params.yaml says now); "defaults" is params.yaml as it is."""
+    muon = {"optimizer": "muon", "muon_lr": muon_lr}
     return {
-        BASELINE: {"optimizer": "adamw", "lr_schedule": "cosine"},
-        "muon + cosine": muon,
-        "muon + wsd": {**muon, "lr_schedule": "wsd"},
-        **{f"muon + wsd, lr {lr:g}": {**muon, "muon_lr": lr, "lr_schedule": "wsd"} for lr in other_lrs},
+        BASELINE: {"train": {"optimizer": "adamw", "lr_schedule": "cosine"}, "model": {"dropout": 0.0}},
+        "defaults": {},
+        "muon + cosine": {"train": {**muon, "lr_schedule": "cosine"}},
+        "muon + wsd": {"train": {**muon, "lr_schedule": "wsd"}},
+        **{
+            f"muon + wsd, lr {lr:g}": {"train": {**muon, "muon_lr": lr, "lr_schedule": "wsd"}}
+            for lr in other_lrs
+        },
+        "untied head": {"model": {"tie_embeddings": False}},
+        "zero-init projections": {"ablation": "zero_init"},
+        "qk-norm": {"ablation": "qk_norm"},
     }
 
 
@@ -53,42 +65,99 @@ def base_params(args: argparse.Namespace) -> dict:
     if args.corpus == "shakespeare":
         base["data"].update(source=str(SHAKESPEARE), max_bytes=None, sha256=None)
         base["split"].update(method="tail")
-    else:
+    elif args.max_bytes:
         base["data"]["max_bytes"] = args.max_bytes
     base["mlflow"]["tracking_uri"] = "sqlite:///mlflow.db"
     base["train"].update(
-        max_steps=args.steps, checkpoint_interval=args.steps, eval_interval=args.eval_interval
+        max_steps=args.steps,
+        checkpoint_interval=args.steps,
+        eval_interval=args.eval_interval,
+        threads=args.threads,
     )
     return base
 
 
 def train_and_score(work: Path, base: dict, overrides: dict) -> dict:
+    """Train one recipe from scratch in `work` and score its export (in a worker process of its
+    own: an ablation patches the network there, and nowhere else)."""
+    params = json.loads(json.dumps(base))
+    for section, values in overrides.items():
+        if section != "ablation":
+            params[section].update(values)
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.rmtree(work / "artifacts/checkpoints", ignore_errors=True)  # a fresh run, not a resume
+    shutil.rmtree(work / "artifacts/checkpoints-before-cooldown", ignore_errors=True)
+    ablation = overrides.get("ablation", "none")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, __file__, "--worker", ablation], cwd=work, check=True)
+    seconds = time.perf_counter() - t0
+    history = json.loads((work / "artifacts/checkpoints/state.json").read_text())["history"]
+    return {"train_s": round(seconds, 1), "history": history, **json.loads((work / "bits.json").read_text())}
+
+
+# Architecture ablations (issue 32) that params.yaml does not offer: each patches lmops'
+# network in the worker alone, so nothing ships until it measures better.
+def zero_init_projections() -> None:
+    """modded-nanogpt's zero-initialised output projections (o_proj, down_proj): every layer
+    starts as the identity on the residual stream."""
+    from lmops.runtime import model
+
+    init = model.Llama.__init__
+
+    def patched(self, cfg):
+        init(self, cfg)
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                torch.nn.init.zeros_(p)
+
+    model.Llama.__init__ = patched
+
+
+def qk_norm() -> None:
+    """Qwen3's QK-norm: an RMSNorm over each head's queries and keys, before RoPE."""
+    from lmops.runtime import model
+
+    init = model.Attention.__init__
+
+    def patched_init(self, cfg, layer):
+        init(self, cfg, layer)
+        self.q_norm = model.RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = model.RMSNorm(cfg.head_dim, cfg.norm_eps)
+
+    def forward(self, x, cos, sin, cache):
+        B, T, _ = x.shape
+        q = model.apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)), cos, sin)
+        k = model.apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        y = model.causal_attention(q, k, v, self.attention_dropout if self.training else 0.0)
+        return torch.nn.functional.dropout(self.o_proj(y.reshape(B, T, -1)), self.dropout, self.training)
+
+    model.Attention.__init__, model.Attention.forward = patched_init, forward
+
+
+ABLATIONS = {"none": lambda: None, "zero_init": zero_init_projections, "qk_norm": qk_norm}
+
+
+def worker(ablation: str) -> None:
+    """In the project directory: `lmops train` under the ablation, then val and test bits/byte of
+    the export, loaded by the same (patched) network, to bits.json."""
+    ABLATIONS[ablation]()
+    from lmops.pipeline import cli
     from lmops.pipeline.evaluate import score
     from lmops.runtime.model import Llama
     from lmops.runtime.tokenizer import chunks, load_tokenizer
 
-    params = json.loads(json.dumps(base))
-    params["train"].update(overrides)
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    shutil.rmtree(work / "artifacts/checkpoints", ignore_errors=True)  # a fresh run, not a resume
-    shutil.rmtree(work / "artifacts/checkpoints-before-cooldown", ignore_errors=True)
-    t0 = time.perf_counter()
-    lmops(work, "train")
-    seconds = time.perf_counter() - t0
-    model_dir = work / "artifacts/model"
+    if cli.main(["train"]) != 0:
+        raise SystemExit("lmops train failed")
+    model_dir = Path("artifacts/model")
     model, tokenizer = Llama.from_pretrained(model_dir), load_tokenizer(model_dir)
     bits = {
-        split: score(model, tokenizer, chunks((work / f"data/processed/{split}.txt").read_text()))[
-            "bits_per_byte"
-        ]
+        f"{split}_bits_per_byte": score(
+            model, tokenizer, chunks(Path(f"data/processed/{split}.txt").read_text())
+        )["bits_per_byte"]
         for split in ("val", "test")
     }
-    history = json.loads((work / "artifacts/checkpoints/state.json").read_text())["history"]
-    return {
-        "train_s": round(seconds, 1),
-        "history": history,
-        **{f"{k}_bits_per_byte": v for k, v in bits.items()},
-    }
+    Path("bits.json").write_text(json.dumps(bits))
 
 
 def seconds_to(history: list[dict], target: float) -> tuple[int | None, float | None]:
@@ -107,14 +176,12 @@ def optimizer_step_ms(base: dict, vocab_size: int, rounds: int = 5, steps: int =
     """One optimizer step (AdamW alone, Muon + AdamW) on the default model with random
     gradients, in this process, alternating rounds: the median ms, robust to other jobs
     coming and going (the training runs are sequential, so their tokens/s are not)."""
-    import torch
-
     from lmops.pipeline.optim import make_optimizer
     from lmops.pipeline.params import TrainConfig
     from lmops.runtime.model import Llama
     from lmops.runtime.model_config import LlamaConfig
 
-    model = Llama(LlamaConfig(vocab_size=vocab_size, **base["model"]))
+    model = Llama(LlamaConfig(vocab_size=vocab_size, **{**base["model"], "dropout": 0.0}))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opts = {
@@ -131,19 +198,43 @@ def optimizer_step_ms(base: dict, vocab_size: int, rounds: int = 5, steps: int =
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2])
+        return 0
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--max-bytes", type=int, default=8_000_000, help="of the stdlib corpus")
+    parser.add_argument(
+        "--max-bytes", type=int, default=8_000_000, help="of the stdlib corpus; 0 = params.yaml's (all of it)"
+    )
     parser.add_argument("--corpus", choices=("stdlib", "shakespeare"), default="stdlib")
     parser.add_argument("--muon-lr", type=float, default=None, help="default: params.yaml's train.muon_lr")
     parser.add_argument("--other-muon-lrs", type=float, nargs="*", default=[], help="muon + wsd at these too")
     parser.add_argument(
         "--eval-interval", type=int, default=25, help="train.eval_interval: the curve's resolution"
     )
+    parser.add_argument(
+        "--recipes",
+        nargs="+",
+        default=["muon + cosine", "muon + wsd"],
+        choices=[r for r in recipes(0.0, []) if r != BASELINE],
+        help="beside the baseline (adamw + cosine, no dropout)",
+    )
+    parser.add_argument(
+        "--baseline-from",
+        type=Path,
+        help="an earlier run's JSON of the same corpus: its baseline row instead of training it again",
+    )
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="the recipes alone (ratios against the first of them)"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="train.threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/recipe-cpu.json")
     args = parser.parse_args()
+    earlier = json.loads(args.baseline_from.read_text()) if args.baseline_from else None
+    if earlier and (earlier["args"]["corpus"], earlier["args"]["max_bytes"]) != (args.corpus, args.max_bytes):
+        parser.error(f"--baseline-from {args.baseline_from}: another corpus ({earlier['args']})")
     base = base_params(args)
     muon_lr = args.muon_lr if args.muon_lr is not None else base["train"]["muon_lr"]
     load_before = os.getloadavg()
@@ -154,17 +245,29 @@ def main() -> int:
         for stage in ("get_data", "split", "tokenize"):
             lmops(work, stage)
         runs = {
-            name: train_and_score(work, base, o) for name, o in recipes(muon_lr, args.other_muon_lrs).items()
+            name: train_and_score(work, base, o)
+            for name, o in recipes(muon_lr, args.other_muon_lrs).items()
+            if (name == BASELINE and earlier is None and not args.no_baseline)
+            or name in args.recipes
+            or name.startswith("muon + wsd, lr")
         }
         vocab_size = json.loads((work / "artifacts/tokenizer/stats.json").read_text())["vocab_size"]
         step_ms = optimizer_step_ms(base, vocab_size)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    reference = runs[BASELINE]
-    target = min(r["val_loss"] for r in reference["history"] if r.get("val_loss") is not None)
-    _, reference_s = seconds_to(reference["history"], target)
-    rows = []
+    tokens_per_step = base["train"]["batch_size"] * base["model"]["max_seq_len"]
+    if earlier is None:
+        reference = next(iter(runs.values()))  # the baseline, or with --no-baseline the first recipe
+        target = min(r["val_loss"] for r in reference["history"] if r.get("val_loss") is not None)
+        _, reference_s = seconds_to(reference["history"], target)
+        rows = []
+    else:  # the earlier run's baseline: training on CPU repeats bit for bit on one machine
+        target = earlier["baseline_best_val_loss"]
+        rows = [
+            {**next(r for r in earlier["rows"] if r["recipe"] == BASELINE), "from": str(args.baseline_from)}
+        ]
+        reference_s = rows[0]["seconds_to_baseline_loss"]
     for name, r in runs.items():
         step, secs = seconds_to(r["history"], target)
         rows.append(
@@ -182,27 +285,37 @@ def main() -> int:
             }
         )
     first = rows[0]
+    train_step_ms = 1000 * tokens_per_step / first["tokens_per_sec"]
+    extra_ms = step_ms["muon"] - step_ms["adamw"]
+    for row in rows:  # each step's cost against an AdamW step (the baseline's, when it is there)
+        optimizer = row["overrides"].get("train", {}).get("optimizer", base["train"]["optimizer"])
+        muon = row["recipe"] != BASELINE and optimizer == "muon"
+        row["step_cost_ratio"] = (train_step_ms + extra_ms) / train_step_ms if muon else 1.0
     for row in rows:
         row["test_ratio"] = row["test_bits_per_byte"] / first["test_bits_per_byte"]
         row["tokens_per_sec_ratio"] = row["tokens_per_sec"] / first["tokens_per_sec"]
         secs = row["seconds_to_baseline_loss"]
         row["time_to_baseline_loss_ratio"] = None if secs is None else secs / reference_s
+        # The same from step counts and the interleaved optimizer timing, which other jobs on
+        # the box do not skew: steps to the baseline's loss x each step's cost, against the first's.
+        step, cost = row["step_at_baseline_loss"], row["step_cost_ratio"] / first["step_cost_ratio"]
+        row["steps_x_cost_to_baseline_loss_ratio"] = (
+            None if step is None else step * cost / first["step_at_baseline_loss"]
+        )
 
-    print(f"\n{args.corpus}, {args.steps} steps; ratios vs {BASELINE}; baseline's best val loss {target:.4f}")
+    print(f"\n{args.corpus}; ratios vs {first['recipe']}, whose best val loss is {target:.4f}")
     print(
-        f"{'recipe':<16} {'train s':>8} {'tok/s':>7} {'x tok/s':>8} {'val b/B':>8} {'test b/B':>9} "
-        f"{'x test':>7} {'step@base':>9} {'x time':>7}"
+        f"{'recipe':<22} {'steps':>5} {'train s':>8} {'tok/s':>7} {'x tok/s':>8} {'val b/B':>8} {'test b/B':>9} "
+        f"{'x test':>7} {'step@base':>9} {'x time':>7} {'x steps*cost':>12}"
     )
     for r in rows:
-        ratio = r["time_to_baseline_loss_ratio"]
+        ratio, by_steps = r["time_to_baseline_loss_ratio"], r["steps_x_cost_to_baseline_loss_ratio"]
         print(
-            f"{r['recipe']:<16} {r['train_s']:>8} {r['tokens_per_sec']:>7} {r['tokens_per_sec_ratio']:>8.3f} "
-            f"{r['val_bits_per_byte']:>8.4f} {r['test_bits_per_byte']:>9.4f} {r['test_ratio']:>7.3f} "
-            f"{r['step_at_baseline_loss'] or '-':>9} {'-' if ratio is None else f'{ratio:.3f}':>7}"
+            f"{r['recipe']:<22} {r['steps']:>5} {r['train_s']:>8} {r['tokens_per_sec']:>7} "
+            f"{r['tokens_per_sec_ratio']:>8.3f} {r['val_bits_per_byte']:>8.4f} {r['test_bits_per_byte']:>9.4f} "
+            f"{r['test_ratio']:>7.3f} {r['step_at_baseline_loss'] or '-':>9} "
+            f"{'-' if ratio is None else f'{ratio:.3f}':>7} {'-' if by_steps is None else f'{by_steps:.3f}':>12}"
         )
-    tokens_per_step = base["train"]["batch_size"] * base["model"]["max_seq_len"]
-    train_step_ms = 1000 * tokens_per_step / first["tokens_per_sec"]
-    extra_ms = step_ms["muon"] - step_ms["adamw"]
     print(
         f"optimizer step: AdamW {step_ms['adamw']} ms, Muon + AdamW {step_ms['muon']} ms (+{extra_ms:.1f} ms, "
         f"{100 * extra_ms / train_step_ms:.1f}% of the baseline's {train_step_ms:.0f} ms training step)"

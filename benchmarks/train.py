@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from engine import RESULTS, write_results
 
-from lmops.pipeline.params import Params
+from lmops.pipeline.params import Params, parse_params
 from lmops.pipeline.train import autocast, batch, make_optimizer, measure_peak_flops, resolve_precision
 from lmops.runtime.model import Llama
 from lmops.runtime.model_config import LlamaConfig
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    params = Params()
+    params = parse_params({"model": {"dropout": 0.0}})  # the step's speed: the default shape, no dropout
     max_seq_len, size = params.model.max_seq_len, params.train.batch_size
     load_before = os.getloadavg()
 

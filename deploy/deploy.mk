@@ -4,7 +4,7 @@
 # Their offline tools (kubectl, hadolint, shellcheck, validators, kfp) come from
 # requirements-dev.lock through `make install`.
 
-.PHONY: image image-tools image-test image-push deploy smoke-test kfp-compile kfp-run
+.PHONY: image image-tools image-test image-push deploy smoke-test kfp-compile kfp-run kfp-sweep
 
 image: install ## docker build lmops:<commit> (GPU=1: the CUDA variant)
 	deploy/build_image.sh
@@ -29,8 +29,12 @@ deploy: install ## deploy to AKS or EKS and wait for the rollout (CLOUD=aks|eks,
 smoke-test: install ## curl /health and /v1/completions (URL=http://... or the cluster's LoadBalancer)
 	deploy/smoke_test.sh $(URL)
 
-kfp-compile: install ## recompile kubeflow/pipeline.yaml from kubeflow/pipeline.py
+kfp-compile: install ## recompile kubeflow/pipeline.yaml and kubeflow/sweep.yaml from kubeflow/pipeline.py
 	$(BIN)/python kubeflow/pipeline.py compile --output kubeflow/pipeline.yaml
+	$(BIN)/python kubeflow/pipeline.py compile --sweep --output kubeflow/sweep.yaml
 
 kfp-run: install ## start the Kubeflow pipeline: make kfp-run KFP_HOST=https://... [IMAGE=...]
 	deploy/kubeflow.sh pipeline
+
+kfp-sweep: install ## a model per params override as parallel TrainJobs: make kfp-sweep KFP_HOST=... [KFP_SWEEP='[{"train.muon_lr": 0.01}]']
+	deploy/kubeflow.sh sweep

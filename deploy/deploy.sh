@@ -3,7 +3,7 @@
 # digest (the tag's digest in the registry now), validate, apply, wait for the rollout,
 # and roll back when the rollout fails.
 #
-#   CLOUD=aks|eks [GPU=1|CANARY=1|GATEWAY=1] [IMAGE_TAG=...] [LMOPS_API_KEY=...] deploy/deploy.sh [--dry-run]
+#   CLOUD=aks|eks [GPU=1|CANARY=1|GATEWAY=1|GATEWAY=precise] [IMAGE_TAG=...] [LMOPS_API_KEY=...] deploy/deploy.sh [--dry-run]
 #
 # aks: ACR_NAME, AKS_RESOURCE_GROUP, AKS_CLUSTER (+ AZURE_CLIENT_ID/SECRET/TENANT_ID
 #      for a service principal login, else the current `az login`).
@@ -18,7 +18,9 @@
 # GATEWAY=1 deploys deploy/<cloud>/gateway (the Inference Gateway: InferencePool,
 # HTTPRoute and llm-d-router's endpoint picker, docs/deploy.md) onto the cluster's
 # Gateway inference-gateway, which must exist, and waits for the picker too. It is a
-# CPU deployment without a canary: GPU or CANARY with it is refused.
+# CPU deployment without a canary: GPU or CANARY with it is refused. GATEWAY=precise
+# deploys deploy/<cloud>/gateway-precise instead: the same, with every replica
+# publishing its KV-cache events to the picker's precise prefix-cache scorer.
 # Kubeflow: deploy/kubeflow.sh.
 # shellcheck source=lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -84,11 +86,17 @@ esac
 
 overlay=deploy/$CLOUD
 timeout=${ROLLOUT_TIMEOUT:-10m}
-if truthy "${GATEWAY:-}"; then
+gateway=""
+if [ "${GATEWAY:-}" = precise ]; then
+  gateway="gateway-precise"
+elif truthy "${GATEWAY:-}"; then
+  gateway="gateway"
+fi
+if [ -n "$gateway" ]; then
   if truthy "${CANARY:-}" || truthy "${GPU:-}"; then
     die "GATEWAY=1 cannot be combined with CANARY or GPU: deploy/$CLOUD/gateway is the CPU overlay behind the Inference Gateway (unset CANARY and GPU, or GATEWAY)"
   fi
-  overlay=$overlay/gateway
+  overlay=$overlay/$gateway
 fi
 if truthy "${CANARY:-}"; then
   overlay=$overlay/canary
@@ -105,12 +113,12 @@ render "$overlay" "$placeholder" "$image"
 echo "rendered $overlay with image $image" >&2
 
 check_api_key_secret "$NAMESPACE"
-if truthy "${GATEWAY:-}"; then
+if [ -n "$gateway" ]; then
   run kubectl --namespace "$NAMESPACE" get gateway inference-gateway --output name ||
     die "no Gateway inference-gateway in namespace $NAMESPACE: install the Gateway API, the InferencePool CRD and a gateway implementation first (docs/deploy.md, \"Inference Gateway\")"
 fi
 run kubectl apply --filename "$WORK/manifests.yaml"
-if truthy "${GATEWAY:-}"; then
+if [ -n "$gateway" ]; then
   run kubectl --namespace "$NAMESPACE" rollout status deployment/lmops-epp --timeout="$timeout" ||
     die "the endpoint picker (deployment/lmops-epp) did not become ready; the gateway routes around it (FailOpen) meanwhile: kubectl --namespace $NAMESPACE logs deployment/lmops-epp"
 fi

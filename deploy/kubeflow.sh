@@ -3,7 +3,10 @@
 #
 #   deploy/kubeflow.sh [--dry-run] deploy     InferenceService (GPU=1: the GPU variant),
 #                                             waits until it is Ready; CANARY=1: a canary
-#                                             release (below)
+#                                             release (below); LLM=1: KServe's LLM path
+#                                             instead, kubeflow/llminferenceservice.yaml
+#                                             (the lmops-runtime preset and the
+#                                             LLMInferenceService lmops), waits until Ready
 #   deploy/kubeflow.sh [--dry-run] train      TrainJob lmops-train on the ClusterTrainingRuntime
 #                                             lmops-torch (replaces a finished one)
 #   deploy/kubeflow.sh [--dry-run] pipeline   applies what its train step's TrainJob needs
@@ -13,6 +16,9 @@
 #                                             a run on KFP_HOST
 #   deploy/kubeflow.sh [--dry-run] schedule   the same as a recurring run (KFP_CRON, KFP's
 #                                             six fields, default nightly 0 0 2 * * *)
+#   deploy/kubeflow.sh [--dry-run] sweep      the same, with the sweep pipeline: a TrainJob
+#                                             per item of KFP_SWEEP (a JSON list of
+#                                             params.yaml overrides; default: its grid)
 #
 # The image is IMAGE, else the one deploy/push_image.sh pushed with CLOUD=kubeflow
 # (KUBEFLOW_REGISTRY acr|ecr, ACR_NAME or AWS_ACCOUNT_ID/AWS_REGION, IMAGE_TAG): the
@@ -37,11 +43,11 @@ action=""
 split_args "$@"
 for arg in "${ARGS[@]}"; do
   case "$arg" in
-    deploy | train | pipeline | schedule) action=$arg ;;
-    *) die "usage: deploy/kubeflow.sh [--dry-run] deploy|train|pipeline|schedule" ;;
+    deploy | train | pipeline | schedule | sweep) action=$arg ;;
+    *) die "usage: deploy/kubeflow.sh [--dry-run] deploy|train|pipeline|schedule|sweep" ;;
   esac
 done
-[ -n "$action" ] || die "usage: deploy/kubeflow.sh [--dry-run] deploy|train|pipeline|schedule"
+[ -n "$action" ] || die "usage: deploy/kubeflow.sh [--dry-run] deploy|train|pipeline|schedule|sweep"
 namespace=${KUBEFLOW_NAMESPACE:-kubeflow-user-example-com}
 if [ "$action" = deploy ]; then
   image=$(IMAGE_TARGET=runtime remote_image kubeflow)
@@ -83,6 +89,19 @@ canary_release() {
 
 case "$action" in
   deploy)
+    if truthy "${LLM:-}"; then
+      if truthy "${GPU:-}" || truthy "${CANARY:-}"; then
+        die "LLM=1 cannot be combined with GPU or CANARY: kubeflow/llminferenceservice.yaml is its own (unset GPU and CANARY, or LLM)"
+      fi
+      render kubeflow/llminferenceservice.yaml lmops "$image" "$namespace"
+      use_cluster kubeflow
+      check_api_key_secret "$namespace"
+      run kubectl apply --filename "$WORK/manifests.yaml"
+      run kubectl --namespace "$namespace" wait llminferenceservice/lmops --for=condition=Ready \
+        --timeout="${ROLLOUT_TIMEOUT:-15m}" ||
+        die "LLMInferenceService lmops did not become Ready with $image: kubectl --namespace $namespace describe llminferenceservice lmops"
+      exit 0
+    fi
     manifest=kubeflow/inferenceservice.yaml
     if truthy "${GPU:-}"; then manifest=kubeflow/inferenceservice-gpu.yaml; fi
     patch=""
@@ -114,7 +133,7 @@ case "$action" in
     run kubectl --namespace "$namespace" delete trainjob lmops-train --ignore-not-found
     run kubectl apply --filename "$WORK/manifests.yaml"
     ;;
-  pipeline | schedule)
+  pipeline | schedule | sweep)
     : "${KFP_HOST:?set KFP_HOST, the Kubeflow Pipelines endpoint}"
     # Its train step creates kubeflow/trainjob.yaml's TrainJob itself, once per run.
     patch=$WORK/without-trainjob.yaml
@@ -123,10 +142,13 @@ case "$action" in
     LMOPS_API_KEY="" render kubeflow/trainjob.yaml lmops "$image" "$namespace" "$patch"
     use_cluster kubeflow
     run kubectl apply --filename "$WORK/manifests.yaml"
-    python kubeflow/pipeline.py compile --image "$image" --output "$WORK/pipeline.yaml" >&2
-    when=()
-    if [ "$action" = schedule ]; then when=(--cron "${KFP_CRON:-0 0 2 * * *}"); fi
-    run python kubeflow/pipeline.py "${action/pipeline/submit}" --host "$KFP_HOST" \
-      --package "$WORK/pipeline.yaml" --namespace "$namespace" "${when[@]}"
+    verb=submit kind=() extra=()
+    case $action in
+      schedule) verb=schedule extra=(--cron "${KFP_CRON:-0 0 2 * * *}") ;;
+      sweep) kind=(--sweep) extra=(${KFP_SWEEP:+--sweep "$KFP_SWEEP"}) ;;
+    esac
+    python kubeflow/pipeline.py compile --image "$image" --output "$WORK/pipeline.yaml" "${kind[@]}" >&2
+    run python kubeflow/pipeline.py "$verb" --host "$KFP_HOST" \
+      --package "$WORK/pipeline.yaml" --namespace "$namespace" "${extra[@]}"
     ;;
 esac

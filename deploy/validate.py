@@ -4,12 +4,14 @@
 Built-in kinds go through kubernetes-validate (Kubernetes' OpenAPI schemas). The
 custom resources lmops ships, KServe InferenceService, are checked against the
 structural schemas in deploy/schemas/, and the pods they embed against Kubernetes'
-PodTemplate schema; Kubeflow Trainer v2's TrainJob and ClusterTrainingRuntime (its
-pods too), prometheus-operator's PodMonitor and PrometheusRule, Argo Rollouts' Rollout
+PodTemplate schema; KServe's LLMInferenceService and LLMInferenceServiceConfig,
+Kubeflow Trainer v2's TrainJob and ClusterTrainingRuntime (its pods too),
+prometheus-operator's PodMonitor and PrometheusRule, Argo Rollouts' Rollout
 (its pod too) and AnalysisTemplate, the Inference Extension's InferencePool and the
 Gateway API's HTTPRoute against their CRDs' own schemas, made strict
 (deploy/schemas/import_crd.py). llm-d-router's EndpointPickerConfig has no CRD: a
-ConfigMap's file that is one, or such a file itself, is checked against
+ConfigMap's file that is one, an LLMInferenceService's inline scheduler config, or
+such a file itself, is checked against
 deploy/schemas/endpointpickerconfig.json (derived from its Go types), and every
 pluginRef in it must name one of its plugins. Any other kind fails.
 
@@ -32,6 +34,8 @@ KUBERNETES_VERSION = "1.37.0"
 SCHEMAS = Path(__file__).with_name("schemas")
 CUSTOM_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice.json",
+    ("serving.kserve.io/v1alpha2", "LLMInferenceService"): "llminferenceservice.json",
+    ("serving.kserve.io/v1alpha2", "LLMInferenceServiceConfig"): "llminferenceserviceconfig.json",
     ("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainjob.json",
     ("trainer.kubeflow.org/v1alpha1", "ClusterTrainingRuntime"): "clustertrainingruntime.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.json",
@@ -85,6 +89,14 @@ def endpoint_picker_configs(doc: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
+def inline_picker_configs(doc: dict[str, Any]) -> dict[str, Any]:
+    """An LLMInferenceService's (or its preset's) scheduler config: an EndpointPickerConfig inline."""
+    if doc["kind"] not in ("LLMInferenceService", "LLMInferenceServiceConfig"):
+        return {}
+    config = ((doc["spec"].get("router") or {}).get("scheduler") or {}).get("config") or {}
+    return {"spec.router.scheduler.config.inline": config["inline"]} if "inline" in config else {}
+
+
 def dangling_plugin_refs(config: dict[str, Any]) -> list[str]:
     """pluginRefs that name no plugin (the picker refuses to start on them)."""
     names = {p.get("name") or p["type"] for p in config["plugins"]}
@@ -115,7 +127,11 @@ def problems(doc: Any) -> list[str]:
         jsonschema.validate(doc, schema)
         if doc["kind"] == "EndpointPickerConfig":
             return dangling_plugin_refs(doc)
-        found = []
+        found = [
+            f"{where}: {problem}"
+            for where, config in inline_picker_configs(doc).items()
+            for problem in problems(config)
+        ]
         for where, template in embedded_pod_templates(doc).items():
             wrapped = {
                 "apiVersion": "v1",

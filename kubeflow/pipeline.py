@@ -16,11 +16,18 @@ logs back. The cluster needs what `deploy/kubeflow.sh pipeline` applies first: t
 runtime, the volume, the step's RBAC. `compile --train-in-pod` trains in the step's own
 pod instead, for clusters without Trainer v2.
 
-    python kubeflow/pipeline.py compile [--image IMAGE] [--output FILE] [--train-in-pod]
-    python kubeflow/pipeline.py submit --host URL --package FILE [--namespace NS]
+    python kubeflow/pipeline.py compile [--image IMAGE] [--output FILE] [--train-in-pod] [--sweep]
+    python kubeflow/pipeline.py submit --host URL --package FILE [--namespace NS] [--sweep JSON]
     python kubeflow/pipeline.py schedule --host URL --package FILE [--cron "0 0 2 * * *"]
 
-kubeflow/pipeline.yaml is this file compiled with DEFAULT_IMAGE (a test fails
+The sweep pipeline (`compile --sweep`, kubeflow/sweep.yaml) runs the same data steps once,
+then a train step (a TrainJob each, SWEEP_PARALLELISM at a time) and an evaluate step per
+item of its `sweep` input, a JSON list of params.yaml overrides
+(`[{"train.muon_lr": 0.01}, ...]`, set in each step's params.yaml by `lmops params
+--update`): the same grid as `dvc exp run --queue -S ...`, its runs side by side in the
+MLflow experiment. It promotes nothing: promote the winner with the main pipeline.
+
+kubeflow/pipeline.yaml and kubeflow/sweep.yaml are this file compiled with DEFAULT_IMAGE (a test fails
 when it is stale: `make kfp-compile`). `make kfp-run KFP_HOST=...` compiles it
 again with the pushed image and submits it (deploy/kubeflow.sh pipeline); `schedule`
 makes it a recurring run instead (deploy/kubeflow.sh schedule), replacing the one of
@@ -29,6 +36,7 @@ the same name.
 
 # No `from __future__ import annotations`: KFP reads the artifact types at run time.
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -45,6 +53,17 @@ DEFAULT_IMAGE = (
 )
 
 TOKENIZE_PARTS = 4  # encoders the tokenize stage fans out to
+
+# The grid `submit` gives the sweep pipeline without --sweep (the README's `dvc exp run
+# --queue` example): each item is params.yaml keys to set, `lmops params --update` style.
+# Not the package's default: KFP writes a default's dicts in hash order, so the compiled
+# file would change from run to run. Its TrainJobs run SWEEP_PARALLELISM at a time.
+DEFAULT_SWEEP = [
+    {"train.muon_lr": lr, "train.lr_schedule": schedule}
+    for lr in (3e-3, 1e-2, 3e-2)
+    for schedule in ("cosine", "wsd")
+]
+SWEEP_PARALLELISM = 3
 
 # Where each KFP artifact lies in a step's workspace, by the name every step gives it: a
 # directory artifact carries all of dvc.yaml's deps and outs under it (a test checks that
@@ -97,7 +116,8 @@ for i, uri in enumerate(uris(json.loads(sys.argv[2]))):
 
 # Runs one stage in a fresh workspace: copy the image's params.yaml and each input
 # artifact to the path the stage reads (--in PATH SRC; --in-list PATH LIST: each artifact
-# of a collected list, as KFP's JSON names them, to PATH/<i>), run the stage with its
+# of a collected list, as KFP's JSON names them, to PATH/<i>), set params.yaml's keys of
+# --update JSON (a sweep's overrides, checked by `lmops params`), run the stage with its
 # options (--arg A), copy each path it wrote to its output artifact (--out PATH DST).
 RUN_STAGE = (
     f"set -eu\nIN_LIST='{IN_LIST}'\n"
@@ -112,6 +132,7 @@ while [ $# -gt 0 ]; do
     --mlflow) export MLFLOW_TRACKING_URI="$2"; shift 2 ;;
     --in) mkdir -p "$(dirname "$2")"; cp -R "$3" "$2"; shift 3 ;;
     --in-list) python3 -c "$IN_LIST" "$2" "$3"; shift 3 ;;
+    --update) lmops params --update "$2"; shift 2 ;;
     --arg) options="$options $2"; shift 2 ;;
     --out) outputs="$outputs $2=$3"; shift 3 ;;
     *) echo "run_stage: unknown argument $1" >&2; exit 2 ;;
@@ -128,14 +149,16 @@ done
 )
 
 
-def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
+def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False, sweep: bool = False):
     """The pipeline function, its steps running in `image`; training on a TrainJob, or in
-    the train step's pod with `train_in_pod`."""
+    the train step's pod with `train_in_pod`; with `sweep`, the sweep pipeline instead."""
     train_command = (
         ["train"] if train_in_pod else ["trainjob", "--image", image, "--manifest", TRAINJOB_IN_IMAGE]
     )
 
-    def stage(command: list, ins: list = (), outs: list = (), mlflow=None) -> dsl.ContainerSpec:
+    def stage(
+        command: list, ins: list = (), outs: list = (), mlflow=None, overrides=None
+    ) -> dsl.ContainerSpec:
         """RUN_STAGE's arguments for `lmops *command`: the artifacts of `ins` (their `.path`, or
         a collected list) staged in and those of `outs` exported, each at its ARTIFACT_PATHS path
         (the components' signatures name the artifacts, so the paths are written once)."""
@@ -143,6 +166,8 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
         args = [name, *(a for option in options for a in ("--arg", option))]
         if mlflow is not None:
             args += ["--mlflow", mlflow]
+        if overrides is not None:
+            args += ["--update", overrides]
         for artifact in ins:
             flag = "--in-list" if isinstance(artifact, InputListOfArtifactsPlaceholder) else "--in"
             args += [flag, str(ARTIFACT_PATHS[artifact.input_name]), artifact]
@@ -188,12 +213,14 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
         tokenizer: Input[Artifact],
         model: Output[Model],
         plots: Output[Artifact],
+        overrides: dict = {},  # noqa: B006 (KFP's default for the parameter: the body runs at compile time)
     ):
         return stage(
             train_command,
             ins=[raw.path, report.path, tokens.path, tokenizer.path],
             outs=[model.path, plots.path],
             mlflow=mlflow_tracking_uri,
+            overrides=overrides,
         )
 
     @dsl.container_component
@@ -204,12 +231,14 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
         metrics: Output[Artifact],
         samples: Output[Markdown],
         units: Output[Dataset],
+        overrides: dict = {},  # noqa: B006 (KFP's default for the parameter: the body runs at compile time)
     ):
         return stage(
             ["evaluate"],
             ins=[model.path, splits.path],
             outs=[metrics.path, samples.path, units.path],
             mlflow=mlflow_tracking_uri,
+            overrides=overrides,
         )
 
     @dsl.container_component
@@ -231,8 +260,8 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
             mlflow=mlflow_tracking_uri,
         )
 
-    @dsl.pipeline(name="lmops", description="corpus -> tokenizer -> model -> metrics -> MLflow @champion")
-    def lmops_pipeline(mlflow_tracking_uri: str):
+    def tokenized():
+        """The data steps both pipelines share: corpus, split, tokenizer, tokens in parallel."""
         raw = get_data().outputs["raw"]
         split_task = split(raw=raw)
         splits = split_task.outputs["splits"]
@@ -240,22 +269,33 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
         with dsl.ParallelFor(items=list(range(TOKENIZE_PARTS)), parallelism=TOKENIZE_PARTS) as part:
             encoded = encode_part(part=part, splits=splits, tokenizer=tokenizer)
         tokens = merge_tokens(parts=dsl.Collected(encoded.outputs["tokens"])).outputs["tokens"]
+        return raw, split_task.outputs["report"], splits, tokenizer, tokens
+
+    def trained_and_scored(mlflow_tracking_uri, data, overrides=None):
+        raw, report, splits, tokenizer, tokens = data
+        given = {} if overrides is None else {"overrides": overrides}
         trained = train(
             mlflow_tracking_uri=mlflow_tracking_uri,
             raw=raw,
-            report=split_task.outputs["report"],
+            report=report,
             tokens=tokens,
             tokenizer=tokenizer,
+            **given,
         )
         if train_in_pod:
             trained.set_cpu_request("2").set_memory_request("8G").set_memory_limit("8G")
         else:  # the TrainJob's pods do the work, with the resources of kubeflow/trainjob.yaml
             kubernetes.mount_pvc(trained, pvc_name=WORKSPACE_VOLUME, mount_path=WORKSPACE)
         scored = evaluate(
-            mlflow_tracking_uri=mlflow_tracking_uri,
-            model=trained.outputs["model"],
-            splits=splits,
+            mlflow_tracking_uri=mlflow_tracking_uri, model=trained.outputs["model"], splits=splits, **given
         )
+        return trained, scored
+
+    @dsl.pipeline(name="lmops", description="corpus -> tokenizer -> model -> metrics -> MLflow @champion")
+    def lmops_pipeline(mlflow_tracking_uri: str):
+        data = tokenized()
+        trained, scored = trained_and_scored(mlflow_tracking_uri, data)
+        raw, _, splits, _, _ = data
         promoted = promote(
             mlflow_tracking_uri=mlflow_tracking_uri,
             model=trained.outputs["model"],
@@ -267,7 +307,27 @@ def build_pipeline(image: str = DEFAULT_IMAGE, train_in_pod: bool = False):
         # The decision depends on the registry's current champion, not only on the inputs.
         promoted.set_caching_options(False)
 
-    return lmops_pipeline
+    @dsl.pipeline(
+        name="lmops-sweep",
+        description="one tokenized corpus -> a model per params override, trained in parallel -> MLflow runs",
+    )
+    def lmops_sweep(mlflow_tracking_uri: str, sweep: list):
+        data = tokenized()
+        with dsl.ParallelFor(items=sweep, parallelism=SWEEP_PARALLELISM) as overrides:
+            trained_and_scored(mlflow_tracking_uri, data, overrides)
+
+    return lmops_sweep if sweep else lmops_pipeline
+
+
+def sweep_items(text: str) -> str:
+    """--sweep: a JSON list of objects of params.yaml keys (each checked again by its steps)."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not (isinstance(items, list) and items and all(isinstance(i, dict) and i for i in items)):
+        raise argparse.ArgumentTypeError('expected a list of objects, e.g. [{"train.muon_lr": 0.01}]')
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     comp = sub.add_parser("compile", help="compile the pipeline to a YAML package")
     comp.add_argument("--image", default=DEFAULT_IMAGE, help="the lmops image every step runs in")
-    comp.add_argument("--output", default="kubeflow/pipeline.yaml")
+    comp.add_argument("--output", help="default: kubeflow/pipeline.yaml, or kubeflow/sweep.yaml with --sweep")
+    comp.add_argument(
+        "--sweep", action="store_true", help="the sweep pipeline: a TrainJob per item of its `sweep` input"
+    )
     comp.add_argument(
         "--train-in-pod",
         action="store_true",
@@ -301,6 +364,13 @@ def main(argv: list[str] | None = None) -> int:
             default=os.environ.get("MLFLOW_TRACKING_URI"),
             help="MLflow server reachable from the cluster (default: $MLFLOW_TRACKING_URI)",
         )
+    run.add_argument(
+        "--sweep",
+        metavar="JSON",
+        type=sweep_items,
+        help='the sweep package\'s grid, e.g. \'[{"train.muon_lr": 0.01}, {"train.muon_lr": 0.03}]\' '
+        "(default: DEFAULT_SWEEP)",
+    )
     schedule.add_argument(
         "--cron",
         default="0 0 2 * * *",
@@ -310,16 +380,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "compile":
-        compiler.Compiler().compile(build_pipeline(args.image, args.train_in_pod), args.output)
+        output = args.output or f"kubeflow/{'sweep' if args.sweep else 'pipeline'}.yaml"
+        compiler.Compiler().compile(build_pipeline(args.image, args.train_in_pod, args.sweep), output)
         where = "in its pod" if args.train_in_pod else "on a TrainJob"
-        print(f"compiled {args.output} (image {args.image}, training {where})")
+        print(f"compiled {output} (image {args.image}, training {where})")
         return 0
     if not args.mlflow_tracking_uri:
         parser.error(f"{args.command} needs --mlflow-tracking-uri or MLFLOW_TRACKING_URI")
+    arguments = {"mlflow_tracking_uri": args.mlflow_tracking_uri}
+    if args.command == "submit":
+        try:
+            inputs = next(yaml.safe_load_all(Path(args.package).read_text()))["root"]["inputDefinitions"]
+        except (OSError, yaml.YAMLError, StopIteration, KeyError, TypeError) as exc:
+            parser.error(f"--package {args.package}: not a compiled pipeline ({exc!r})")
+        if "sweep" in inputs["parameters"]:
+            arguments["sweep"] = json.loads(args.sweep) if args.sweep else DEFAULT_SWEEP
+        elif args.sweep:
+            parser.error(f"--sweep: {args.package} is not the sweep pipeline (compile --sweep)")
     from kfp.client import Client
 
     client = Client(host=args.host, namespace=args.namespace, existing_token=os.environ.get("KFP_TOKEN"))
-    arguments = {"mlflow_tracking_uri": args.mlflow_tracking_uri}
     if args.command == "schedule":
         # create_experiment returns the existing experiment of that name.
         experiment = client.create_experiment(args.experiment, namespace=args.namespace)

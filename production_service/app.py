@@ -32,6 +32,7 @@ from production_service.schemas import (
     ModelCard,
     ModelList,
     Prediction,
+    Rendered,
     Tokens,
     build_document,
     check_fields,
@@ -294,6 +295,32 @@ def _metrics():
     if runtime.engine is not None:
         text += generate_latest(runtime.engine.metrics.registry)
     return Response(text, mimetype=CONTENT_TYPE_LATEST.split(";")[0], content_type=CONTENT_TYPE_LATEST)
+
+
+@ops.post("/v1/completions/render")
+def _render_completions():
+    """vLLM's render: the token ids each prompt of a completion request becomes, what
+    llm-d's token producer asks for (the precise prefix-cache scorer hashes them). On
+    the probe port, which only the cluster reaches, the picker needs no API key."""
+    _ready_runtime()
+    served, body = _validated("completion")
+    rendered = [Rendered(token_ids=ids) for _, ids in completions.encode_prompts(served, body)]
+    return Response(json.dumps([r.model_dump() for r in rendered]), mimetype="application/json")
+
+
+@ops.post("/v1/chat/completions/render")
+def _render_chat():
+    """vLLM's render of a chat request: its one prompt's token ids, as the chat template writes it."""
+    _ready_runtime()
+    [(_, ids)] = chat.encode_messages(*_validated("chat"))
+    return _json(Rendered(token_ids=ids))
+
+
+def _ready_runtime() -> Runtime:
+    runtime = _runtime()
+    if not runtime.ready:
+        raise APIError(503, f"Not ready: {runtime.state}.", code="not_ready")
+    return runtime
 
 
 @ops.get("/openapi.json")

@@ -148,12 +148,13 @@ def submit(runtime, served, body, stats: RequestStats, prompts: list[tuple[str, 
     cancels what was already submitted. A champion prompt the shadow picks is scored and
     mirrored to the challenger."""
     params = sampling_params(body, served.sampling_defaults)
+    priority = getattr(body, "priority", None) or 0
     shadow = runtime.shadow if served.role == CHAMPION else None
     jobs: list[Job] = []
     try:
         for text, ids in prompts:
             mirrored = shadow is not None and shadow.pick()
-            jobs.append(Job(text, served.loop.submit(ids, params, score_prompt=mirrored)))
+            jobs.append(Job(text, served.loop.submit(ids, params, priority=priority, score_prompt=mirrored)))
             stats.prompt_tokens += len(ids)
             if mirrored:
                 shadow.mirror(jobs[-1])
@@ -170,7 +171,7 @@ def submit(runtime, served, body, stats: RequestStats, prompts: list[tuple[str, 
     except GrammarError as exc:
         raise structured.invalid(body, exc, params.structured_outputs) from None
     except ValueError as exc:
-        param = "n" if str(exc).startswith("n ") else "prompt"
+        param = next((f for f in ("n", "priority") if str(exc).startswith(f"{f} ")), "prompt")
         raise APIError(400, str(exc), code="invalid_value", param=param) from None
     except RuntimeError as exc:
         draining = runtime.state in ("draining", "stopped")

@@ -3,8 +3,10 @@
 
 One worker (production_service.worker: gthread plus a request-head deadline, the
 probe port and JSON error pages) holds the engine and its loop thread (scale out
-with replicas, not workers); the app is built in that worker after the fork (no
-preload), so nothing of the engine ever runs in the master. Every value comes from
+with replicas, not workers), and with LMOPS_KV_EVENTS_CONFIG the one publisher that
+binds the replica's event endpoints (a respawned worker binds them again once the dead
+one is gone); the app is built in that worker after the fork (no preload), so nothing
+of the engine ever runs in the master. Every value comes from
 ServiceConfig.from_env, the same parser the app uses.
 """
 

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from lmops.errors import LmopsError
@@ -33,6 +33,7 @@ from production_service.shadow import Shadow
 
 if TYPE_CHECKING:
     from lmops.runtime.engine import EngineLoop, LLMEngine
+    from lmops.runtime.engine.kv_events import ZmqEventPublisher
     from lmops.runtime.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,9 @@ class Runtime:
         self.served: dict[str, Served] = {}
         self.metrics = ModelMetrics()
         self.shadow: Shadow | None = None
+        # The champion's KV-cache events (LMOPS_KV_EVENTS_CONFIG): one publisher for the
+        # replica, which each champion version publishes through in turn (the endpoint binds once).
+        self.kv_events: ZmqEventPublisher | None = None
         self.stopping = threading.Event()
         self._ready = threading.Event()
         self._lock = threading.Lock()
@@ -141,8 +145,11 @@ class Runtime:
             return served
 
     def _load(self) -> None:
+        from lmops.runtime.engine.kv_events import make_publisher
+
         try:
             served = {}
+            self.kv_events = make_publisher(self.config.engine.kv_events_config)
             for role, source in self.sources.items():
                 served[role] = self._build(source, keep=tuple(s.model.path for s in served.values()))
             self._check_headroom(served)
@@ -153,6 +160,7 @@ class Runtime:
             self.state = "failed"
             for s in served.values():
                 s.loop.shutdown(0)
+            self._close_kv_events()
             if self.config.exit_on_load_failure:
                 logging.shutdown()
                 os._exit(WORKER_BOOT_ERROR)
@@ -161,6 +169,7 @@ class Runtime:
             if self.state != "loading":  # shut down while loading
                 for s in served.values():
                     s.loop.shutdown(0)
+                self._close_kv_events()
                 return
             self.served = served
             self.state = "ready"
@@ -178,7 +187,7 @@ class Runtime:
     def _build(self, source: Source, keep: tuple = ()) -> Served:
         """Resolve, verify (weights checksum, finite weights: Llama.from_pretrained), load and
         warm up `source`'s model, its loop started; a failure is a `_LoadError` naming the source."""
-        from lmops.runtime.engine import EngineLoop, LLMEngine, SamplingParams
+        from lmops.runtime.engine import EngineLoop, SamplingParams
 
         try:
             model = resolve_model(source.model_dir, source.model_uri, self.config.model_cache, keep)
@@ -188,7 +197,7 @@ class Runtime:
             chat_template = path.read_text(encoding="utf-8") if path else read_chat_template(model.path)
             if chat_template is not None:
                 compile_template(chat_template)  # a template that does not parse fails the load
-            engine = LLMEngine.from_pretrained(model.path, self.config.engine)
+            engine = self._engine(source.role, model.path)
             engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0, max_tokens=8))
             engine.reset_metrics()  # the warm-up is not a request anyone made
             loop = EngineLoop(engine, max_queued=self.config.max_queued)
@@ -224,11 +233,26 @@ class Runtime:
                 vocab_size=engine.model_config.vocab_size,
                 max_num_seqs=engine.max_num_seqs,
                 max_token_chars=max(map(len, engine.tokenizer.get_vocab())),
+                priority_scheduling=engine.engine_config.scheduling_policy == "priority",
             ),
             sampling_defaults=sampling_defaults,
             chat_template=chat_template,
             special_tokens=special_tokens(model.path),
         )
+
+    def _engine(self, role: str, path) -> LLMEngine:
+        """The champion publishes KV-cache events through the replica's publisher; the
+        challenger none (llm-d routes to the champion's cache)."""
+        from lmops.runtime.engine import LLMEngine
+
+        if role == CHAMPION:
+            return LLMEngine.from_pretrained(path, self.config.engine, kv_events=self.kv_events)
+        return LLMEngine.from_pretrained(path, replace(self.config.engine, kv_events_config=None))
+
+    def _close_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def _check_headroom(self, served: dict[str, Served]) -> None:
         """State the memory the models take and what a swap needs beside them (the largest
@@ -290,6 +314,13 @@ class Runtime:
                 new.loop.shutdown(0)
                 return False
             self.served[source.role] = new
+        if source.role == CHAMPION and self.kv_events is not None:
+            # A router hears of the new version's cache alone from here on: the old engine
+            # falls silent, and what it announced is cleared.
+            from lmops.runtime.engine.kv_events import AllBlocksCleared
+
+            old.engine.stop_publishing()
+            self.kv_events.publish([AllBlocksCleared()])
         self.metrics.serving(source.role, new.model.name, new.model.version)
         self.metrics.swaps.labels(source.role).inc()
         log.info(
@@ -318,6 +349,7 @@ class Runtime:
             drain.start()
         for drain in drains:
             drain.join()
+        self._close_kv_events()
         self.state = "stopped"
         log.info("engine stopped")
 

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from lmops.runtime.engine.config import PRIORITY_BOUND
 from lmops.runtime.engine.sampling import RANGES
 from production_service.errors import APIError
 
@@ -35,6 +36,8 @@ class Limits:
     # The longest token in characters: a text longer than max_token_chars * N
     # characters has more than N tokens, which is known without tokenizing it.
     max_token_chars: int = 1
+    # LMOPS_SCHEDULING_POLICY=priority: a request may set its priority (under fcfs only 0).
+    priority_scheduling: bool = False
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -45,7 +48,7 @@ class Limits:
         return self.max_prompt_tokens * self.max_token_chars
 
 
-UNLOADED = Limits(max_model_len=2**31 - 1, vocab_size=2**31 - 1, max_num_seqs=MAX_N)
+UNLOADED = Limits(max_model_len=2**31 - 1, vocab_size=2**31 - 1, max_num_seqs=MAX_N, priority_scheduling=True)
 
 
 class _Request(BaseModel):
@@ -260,6 +263,17 @@ def request_models(limits: Limits) -> RequestModels:
         structured_outputs: StructuredOutputsRequest | None = Field(
             None, description="vLLM's: the output follows a JSON schema, regex, choice or grammar."
         )
+        priority: (
+            _int(
+                -PRIORITY_BOUND,
+                PRIORITY_BOUND - 1,
+                "vLLM extra: lower runs first, and is preempted last. Default 0.",
+            )
+            if limits.priority_scheduling
+            else _int(
+                0, 0, "vLLM extra: only 0 here, which serves in arrival order (LMOPS_SCHEDULING_POLICY=fcfs)."
+            )
+        ) = None
 
     class CompletionRequest(Generation):
         prompt: (
@@ -496,6 +510,12 @@ class Tokens(BaseModel):
     token_strs: list[str] | None = None
 
 
+class Rendered(BaseModel):
+    """vLLM's render answer (the part llm-d's token producer reads): one prompt's token ids."""
+
+    token_ids: list[int]
+
+
 class Detokenized(BaseModel):
     prompt: str
 
@@ -647,6 +667,21 @@ def build_document(limits: Limits, api_key: bool) -> dict:
         "/detokenize": post(
             "vLLM's: token ids to text", "DetokenizeRequest", _json("Detokenized", "The text"), 404
         ),
+        "/v1/completions/render": post(
+            "vLLM's: each prompt's token ids (for llm-d's token producer; keyless on the probe port)",
+            "CompletionRequest",
+            {
+                "description": "One entry per prompt",
+                "content": {"application/json": {"schema": {"type": "array", "items": _ref("Rendered")}}},
+            },
+            404,
+        ),
+        "/v1/chat/completions/render": post(
+            "vLLM's: the chat prompt's token ids (for llm-d's token producer; keyless on the probe port)",
+            "ChatCompletionRequest",
+            _json("Rendered", "Token ids"),
+            404,
+        ),
         "/predict": post(
             "The simple form: a prompt in, a completion out",
             "PredictRequest",
@@ -677,6 +712,7 @@ def build_document(limits: Limits, api_key: bool) -> dict:
         ChatCompletion,
         ChatCompletionChunk,
         Tokens,
+        Rendered,
         Detokenized,
         Prediction,
         ModelList,

@@ -12,6 +12,8 @@ import re
 import pytest
 import yaml
 
+from lmops.runtime.engine.config import EngineConfig
+from lmops.runtime.engine.kv_events import binds
 from tests.deploy.conftest import REPO
 from tests.deploy.test_canary import render as render_text
 from tests.deploy.test_kubernetes import validate
@@ -177,3 +179,110 @@ def test_gateway_validation_is_strict(rendered, tmp_path):
 def test_the_picker_config_file_validates_on_its_own():
     proc = validate(REPO / "deploy/gateway/epp-config.yaml")
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
+
+
+PRECISE_OVERLAYS = ["aks/gateway-precise", "eks/gateway-precise"]
+
+
+@pytest.mark.parametrize("overlay", PRECISE_OVERLAYS)
+def test_the_precise_overlay_is_valid_and_the_gateway_one_plus_kv_events(kubectl, overlay, tmp_path):
+    docs = render(kubectl, overlay)
+    (tmp_path / "rendered.yaml").write_text(yaml.safe_dump_all(docs))
+    proc = validate(tmp_path / "rendered.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The config map's name carries its content's hash: compared by kind alone.
+    precise, gateway = named(docs), named(render(kubectl, overlay.replace("-precise", "")))
+    assert {k for k in precise if k[0] != "ConfigMap"} - set(gateway) == {
+        ("NetworkPolicy", "lmops-kv-events-to-endpoint-picker"),
+        ("Service", "lmops-render"),
+    }
+    changed = {key for key in gateway if key[0] != "ConfigMap" and precise[key] != gateway[key]}
+    assert changed == {("Deployment", "lmops"), ("Deployment", "lmops-epp")}  # the pods, the picker's config
+    epp, old = precise["Deployment", "lmops-epp"], gateway["Deployment", "lmops-epp"]
+    epp_volumes = [v for v in epp["spec"]["template"]["spec"]["volumes"] if v["name"] != "config"]
+    assert epp_volumes == [v for v in old["spec"]["template"]["spec"]["volumes"] if v["name"] != "config"]
+
+
+def test_every_replica_publishes_where_the_precise_picker_subscribes(kubectl):
+    """Ports, topic and block size as the picker expects them, the events config as the
+    engine parses it, and the policies that let the picker reach the sockets and render."""
+    docs = named(render(kubectl, "aks/gateway-precise"))
+    lmops = docs["Deployment", "lmops"]["spec"]["template"]
+    (server,) = lmops["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    env = [e["name"] for e in server["env"]]
+    values = {e["name"]: e.get("value") for e in server["env"]}
+    # The topic names the pod: POD_NAME comes first, so Kubernetes expands $(POD_NAME).
+    assert env.index("POD_NAME") < env.index("LMOPS_KV_EVENTS_CONFIG")
+    events = EngineConfig(kv_events_config=values["LMOPS_KV_EVENTS_CONFIG"]).kv_events_config
+    assert events.publishes and binds(events.endpoint) and events.replay_endpoint is not None
+    assert events.endpoint == f"tcp://*:{ports['kv-events']}"
+    assert events.replay_endpoint == f"tcp://*:{ports['kv-replay']}"
+    (volume,) = [
+        v
+        for v in docs["Deployment", "lmops-epp"]["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "config"
+    ]
+    config = yaml.safe_load(docs["ConfigMap", volume["configMap"]["name"]]["data"]["epp-config.yaml"])
+    assert config == yaml.safe_load((REPO / "deploy/gateway/precise/epp-config.yaml").read_text())
+    plugins = {p["type"]: p.get("parameters", {}) for p in config["plugins"]}
+    # It reads lmops' metrics as the approximate config does (whose names a live server's
+    # /metrics is checked for: tests/service/test_endpoint_picker.py).
+    approx = yaml.safe_load((REPO / "deploy/gateway/epp-config.yaml").read_text())
+    approx_plugins = {p["type"]: p.get("parameters", {}) for p in approx["plugins"]}
+    for shared in ("metrics-data-source", "core-metrics-extractor"):
+        assert plugins[shared] == approx_plugins[shared]
+    assert config["schedulingProfiles"] == approx["schedulingProfiles"]
+    producer = plugins["precise-prefix-cache-producer"]
+    discovery = producer["kvEventsConfig"]["podDiscoveryConfig"]
+    assert producer["kvEventsConfig"]["discoverPods"] is True
+    assert (discovery["socketPort"], discovery["replaySocketPort"]) == (
+        ports["kv-events"],
+        ports["kv-replay"],
+    )
+    assert events.topic == "kv@$(POD_NAME)@lmops" and events.topic.startswith(
+        producer["kvEventsConfig"]["topicFilter"]
+    )
+    assert producer["tokenProcessorConfig"]["blockSizeTokens"] == EngineConfig().block_size
+    assert "LMOPS_BLOCK_SIZE" not in values
+    assert plugins["prefix-cache-scorer"] == {"prefixMatchInfoProducerName": "precise-prefix-cache-producer"}
+    sources = {
+        s["pluginRef"]: [e["pluginRef"] for e in s["extractors"]] for s in config["dataLayer"]["sources"]
+    }
+    assert sources["endpoint-notification-source"] == ["precise-prefix-cache-producer"]
+    # The token producer renders through the lmops-render Service, on the probe port.
+    url = plugins["token-producer"]["vllm"]["url"]
+    host, port = url.removeprefix("http://").split(":")
+    render_service = docs["Service", host]["spec"]
+    (service_port,) = render_service["ports"]
+    assert service_port["port"] == int(port) and service_port["targetPort"] == "probes"
+    assert render_service["selector"].items() <= lmops["metadata"]["labels"].items()
+    # The picker may reach the event sockets (and, by deploy/gateway's policy, the probe port).
+    epp_labels = docs["Deployment", "lmops-epp"]["spec"]["template"]["metadata"]["labels"]
+    policy = docs["NetworkPolicy", "lmops-kv-events-to-endpoint-picker"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= lmops["metadata"]["labels"].items()
+    (rule,) = policy["ingress"]
+    (peer,) = rule["from"]
+    assert peer["podSelector"]["matchLabels"].items() <= epp_labels.items()
+    assert {p["port"] for p in rule["ports"]} == {"kv-events", "kv-replay"}
+    probes = docs["NetworkPolicy", "lmops-from-endpoint-picker"]["spec"]["ingress"][0]["ports"]
+    assert probes == [{"port": "probes", "protocol": "TCP"}]
+
+
+def test_the_precise_picker_config_validates_strictly(tmp_path):
+    config = yaml.safe_load((REPO / "deploy/gateway/precise/epp-config.yaml").read_text())
+    assert validate(REPO / "deploy/gateway/precise/epp-config.yaml").returncode == 0
+    broken = []
+    for fault in (
+        lambda c: c["plugins"][3]["parameters"].update(vllm={"url": "http://lmops-render:5002/"}),
+        lambda c: c["plugins"][3]["parameters"].pop("modelName"),
+        lambda c: c["plugins"][4]["parameters"]["kvEventsConfig"].update(socketPort=5557),  # misplaced
+        lambda c: c["plugins"][4]["parameters"]["kvEventsConfig"]["podDiscoveryConfig"].update(socketPort=0),
+        lambda c: c["plugins"][2].update(parameters={"kind": "Pod"}),
+    ):
+        copy = yaml.safe_load(yaml.safe_dump(config))
+        fault(copy)
+        broken.append(copy)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump_all(broken))
+    proc = validate(tmp_path / "bad.yaml")
+    assert proc.returncode != 0 and proc.stdout.count("FAIL") == 5, proc.stdout

@@ -13,9 +13,13 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from lmops.runtime.engine.config import EngineConfig
+from production_service.settings import ServiceConfig
 from tests.deploy.conftest import BIN, REPO
+from tests.deploy.test_kubernetes import validate
 
 PIPELINE = REPO / "kubeflow" / "pipeline.yaml"
+SWEEP = REPO / "kubeflow" / "sweep.yaml"
 
 
 def load_pipeline(path=PIPELINE) -> tuple[dict, dict]:
@@ -59,6 +63,46 @@ def test_committed_pipeline_yaml_is_up_to_date(tmp_path):
     assert (tmp_path / "pipeline.yaml").read_text() == PIPELINE.read_text(), (
         "kubeflow/pipeline.yaml is stale: run `make kfp-compile` and commit it"
     )
+
+
+def test_committed_sweep_yaml_is_up_to_date(tmp_path):
+    compile_pipeline(tmp_path / "sweep.yaml", "--sweep")
+    assert (tmp_path / "sweep.yaml").read_text() == SWEEP.read_text(), (
+        "kubeflow/sweep.yaml is stale: run `make kfp-compile` and commit it"
+    )
+
+
+def test_sweep_tokenizes_once_then_trains_and_scores_each_override_on_its_own_trainjob(tmp_path):
+    """The sweep: the data steps once, then a loop over the `sweep` input, SWEEP_PARALLELISM at
+    a time, whose train (a TrainJob on the shared volume) and evaluate steps both get the
+    item as their params overrides; nothing is promoted. Every item of the default grid is
+    a valid params.yaml change."""
+    pipeline = pipeline_module()
+    spec, platform = load_pipeline(SWEEP)
+    tasks = spec["root"]["dag"]["tasks"]
+    sweep = next(
+        t
+        for name, t in tasks.items()
+        if t.get("parameterIterator", {}).get("items", {}).get("inputParameter")
+    )
+    assert sweep["parameterIterator"]["items"]["inputParameter"] == "pipelinechannel--sweep"
+    assert sweep["iteratorPolicy"]["parallelismLimit"] == pipeline.SWEEP_PARALLELISM
+    assert {"get-data", "split", "train-tokenizer", "merge-tokens"} <= set(tasks)
+    assert "promote" not in tasks and not any("promote" in c for c in spec["components"])
+    inner = spec["components"][sweep["componentRef"]["name"]]["dag"]["tasks"]
+    assert set(inner) == {"train", "evaluate"}
+    item = sweep["parameterIterator"]["itemInput"]
+    for task in inner.values():
+        assert task["inputs"]["parameters"]["overrides"] == {"componentInputParameter": item}
+    train = spec["deploymentSpec"]["executors"]["exec-train"]["container"]
+    assert train["args"][0] == "trainjob" and "--update" in train["args"]
+    assert "exec-train" in platform["deploymentSpec"]["executors"]  # the volume its pods share
+    assert spec["root"]["inputDefinitions"]["parameters"]["sweep"]["parameterType"] == "LIST"
+    from lmops.pipeline.params import update_params
+
+    for overrides in pipeline.DEFAULT_SWEEP:
+        (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+        assert update_params(tmp_path / "params.yaml", overrides).train.muon_lr == overrides["train.muon_lr"]
 
 
 def test_image_option_sets_every_step_image_and_train_in_pod_needs_no_trainjob(tmp_path):
@@ -253,6 +297,32 @@ def test_step_shell_copies_inputs_runs_the_stage_and_exports_outputs(tmp_path, f
     assert proc.returncode != 0 and not (tmp_path / "out" / "again").exists()
 
 
+def test_step_shell_sets_the_sweep_overrides_before_the_stage_and_stops_on_a_bad_one(tmp_path):
+    """`--update JSON` (a sweep item) goes through the real `lmops params`: the stage sees the
+    new value; a key params.yaml does not have stops the step, naming it, before the stage."""
+    bin_dir, app = tmp_path / "bin", tmp_path / "app"
+    bin_dir.mkdir()
+    app.mkdir()
+    (app / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    (bin_dir / "lmops").write_text(f"""#!/bin/sh
+set -eu
+[ "$1" = params ] && exec {BIN / "lmops"} "$@"
+test "$1" = train
+grep -q "muon_lr: 0.01" params.yaml
+mkdir -p artifacts/model && echo trained > artifacts/model/done
+""")
+    (bin_dir / "lmops").chmod(0o755)
+    model = tmp_path / "out" / "model"
+    args = ["train", "--update", '{"train.muon_lr": 0.01}', "--out", "artifacts/model", str(model)]
+    proc = run_stage(args, bin_dir, app)
+    assert proc.returncode == 0, proc.stderr
+    assert (model / "done").read_text() == "trained\n"
+    args[2], args[-1] = '{"train.muon_lrr": 0.01}', str(tmp_path / "out" / "again")
+    proc = run_stage(args, bin_dir, app)
+    assert proc.returncode != 0 and "unknown key 'train.muon_lrr' (did you mean 'muon_lr'?)" in proc.stderr
+    assert not (tmp_path / "out" / "again").exists()
+
+
 class FakeKfp:
     """Stands in for kfp.client.Client (the KFP API is a cloud API): records the calls."""
 
@@ -278,6 +348,32 @@ class FakeKfp:
     def create_recurring_run(self, experiment_id, job_name, **kwargs):
         self.calls.append(("create", experiment_id, job_name, kwargs))
         return SimpleNamespace(recurring_run_id="new-1")
+
+    def create_run_from_pipeline_package(self, package, arguments, **kwargs):
+        self.calls.append(("run", package, arguments))
+        return SimpleNamespace(run_id="run-1")
+
+
+def test_submit_gives_the_sweep_its_grid_and_refuses_a_grid_for_the_main_pipeline(monkeypatch):
+    import kfp.client
+
+    pipeline = pipeline_module()
+    monkeypatch.setattr(kfp.client, "Client", FakeKfp)
+    argv = ["submit", "--host", "https://kfp.invalid", "--mlflow-tracking-uri", "http://mlflow:5000"]
+    FakeKfp.calls = []
+    assert pipeline.main([*argv, "--package", str(SWEEP)]) == 0
+    assert FakeKfp.calls[-1][2]["sweep"] == pipeline.DEFAULT_SWEEP
+    grid = [{"train.muon_lr": 0.01}, {"model.n_layer": 8}]
+    assert pipeline.main([*argv, "--package", str(SWEEP), "--sweep", json.dumps(grid)]) == 0
+    assert FakeKfp.calls[-1][2] == {"mlflow_tracking_uri": "http://mlflow:5000", "sweep": grid}
+    calls = len(FakeKfp.calls)
+    for bad in (
+        ["--package", str(PIPELINE), "--sweep", json.dumps(grid)],
+        ["--package", str(SWEEP), "--sweep", "[]"],
+    ):
+        with pytest.raises(SystemExit):
+            pipeline.main([*argv, *bad])
+    assert len(FakeKfp.calls) == calls  # nothing submitted
 
 
 def test_schedule_replaces_the_recurring_run_of_the_same_name(tmp_path, monkeypatch, capsys):
@@ -331,3 +427,70 @@ mkdir -p data/processed/tokens && echo merged > data/processed/tokens/index.json
     proc = run_stage(args, bin_dir, app)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "index.json").read_text() == "merged\n"
+
+
+LLM_MANIFEST = REPO / "kubeflow" / "llminferenceservice.yaml"
+
+
+def llm_docs() -> dict[str, dict]:
+    return {d["kind"]: d for d in yaml.safe_load_all(LLM_MANIFEST.read_text())}
+
+
+def test_the_llm_inference_service_validates_against_kserves_crds():
+    proc = validate(LLM_MANIFEST)
+    assert proc.returncode == 0 and proc.stdout.count("ok ") == 2, proc.stdout + proc.stderr
+
+
+def test_the_llm_inference_service_validation_is_strict(tmp_path):
+    """One fault in each place: the service, the preset's pod, its inline picker config."""
+    faults = []
+    for fault in (
+        lambda d: d["LLMInferenceService"]["spec"].update(replica=2),
+        lambda d: d["LLMInferenceService"]["spec"]["model"].pop("uri"),
+        lambda d: d["LLMInferenceServiceConfig"]["spec"]["template"]["containers"][0].update(port=8000),
+        lambda d: d["LLMInferenceServiceConfig"]["spec"]["router"]["scheduler"]["config"]["inline"][
+            "plugins"
+        ].append({"type": "queue-scorr"}),
+    ):
+        docs = llm_docs()
+        fault(docs)
+        faults += [docs["LLMInferenceServiceConfig"], docs["LLMInferenceService"]]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump_all(faults))
+    proc = validate(tmp_path / "bad.yaml")
+    assert proc.returncode != 0 and proc.stdout.count("FAIL") == 4, proc.stdout
+
+
+def test_the_lmops_preset_is_what_kserve_and_the_service_expect(monkeypatch):
+    """KServe's contract (container `main`, port 8000, the model under /mnt/models), the
+    service's own settings (parsed as the service does), probes on the probe port, and the
+    picker reading lmops' metrics as the gateway's does."""
+    docs = llm_docs()
+    preset, service = docs["LLMInferenceServiceConfig"]["spec"], docs["LLMInferenceService"]["spec"]
+    assert service["baseRefs"] == [{"name": docs["LLMInferenceServiceConfig"]["metadata"]["name"]}]
+    (main,) = preset["template"]["containers"]
+    assert main["name"] == "main"
+    # KServe's own template (merged first) runs vLLM: the image's command must replace it.
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert f"CMD {json.dumps(main['command'])}" in dockerfile
+    ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    for name, value in env.items():
+        if value is not None:
+            monkeypatch.setenv(name, value)
+    config = ServiceConfig.from_env()
+    assert config.port == ports["http"] == 8000 and config.probe_port == ports["probes"]
+    assert str(config.model_dir) == "/mnt/models"  # KServe's storage initializer mounts the model here
+    assert config.engine.scheduling_policy == "priority" and config.engine == EngineConfig(
+        scheduling_policy="priority", device="auto"
+    )
+    assert {main[p]["httpGet"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {
+        "probes"
+    }
+    assert main["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert service["model"]["uri"].startswith("pvc://") and service["model"]["name"] == "lmops"
+    inline = preset["router"]["scheduler"]["config"]["inline"]
+    assert inline == yaml.safe_load((REPO / "deploy/gateway/epp-config.yaml").read_text())
+    extractor = next(p for p in inline["plugins"] if p["type"] == "core-metrics-extractor")
+    assert preset["labels"]["llm-d.ai/engine-type"] == extractor["parameters"]["defaultEngine"]
+    metrics = next(p for p in inline["plugins"] if p["type"] == "metrics-data-source")
+    assert metrics["parameters"]["port"] == ports["probes"]

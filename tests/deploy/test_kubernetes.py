@@ -17,6 +17,7 @@ KUBEFLOW = [
     "kubeflow/inferenceservice.yaml",
     "kubeflow/inferenceservice-gpu.yaml",
     "kubeflow/trainjob.yaml",
+    "kubeflow/llminferenceservice.yaml",
 ]
 REGISTRY = {"aks": ".azurecr.io/lmops@", "eks": ".dkr.ecr.us-east-1.amazonaws.com/lmops@"}
 # What an overlay applied by hand pulls: nothing (deploy.sh pins the pushed image's digest).

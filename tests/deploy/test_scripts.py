@@ -141,6 +141,16 @@ DRY_RUNS = [
     (
         "deploy.sh",
         (),
+        {"CLOUD": "eks", "GATEWAY": "precise"},
+        [
+            f"rendered deploy/eks/gateway-precise with image {ECR}@{DRY_DIGEST}",
+            "kubectl --namespace lmops get gateway inference-gateway --output name",
+            "kubectl --namespace lmops rollout status deployment/lmops-epp --timeout=10m",
+        ],
+    ),
+    (
+        "deploy.sh",
+        (),
         {"CLOUD": "eks", "CANARY": "1", "GPU": "1"},
         [
             "aws ecr describe-images --region eu-west-1 --repository-name lmops --image-ids imageTag=0123abcd-cuda",
@@ -155,6 +165,17 @@ DRY_RUNS = [
         ["kubectl apply --filename", "wait inferenceservice/lmops --for=condition=Ready"],
     ),
     ("kubeflow.sh", ("deploy",), {"GPU": "1"}, ["kubectl apply --filename"]),
+    (
+        "kubeflow.sh",
+        ("deploy",),
+        {"LLM": "1"},
+        [
+            "LLMInferenceServiceConfig/lmops-runtime",
+            "LLMInferenceService/lmops",
+            "kubectl apply --filename",
+            "wait llminferenceservice/lmops --for=condition=Ready",
+        ],
+    ),
     (
         "kubeflow.sh",
         ("deploy",),
@@ -195,6 +216,16 @@ DRY_RUNS = [
         [
             "python kubeflow/pipeline.py schedule --host https://kfp.invalid",
             "--cron 0\\ 30\\ 1\\ \\*\\ \\*\\ \\*",
+        ],
+    ),
+    (
+        "kubeflow.sh",
+        ("sweep",),
+        {"KFP_SWEEP": '[{"train.muon_lr": 0.01}]'},
+        [
+            "ClusterTrainingRuntime/lmops-torch",
+            "python kubeflow/pipeline.py submit --host https://kfp.invalid --package",
+            '--sweep \\[\\{\\"train.muon_lr\\":\\ 0.01\\}\\]',
         ],
     ),
     (
@@ -243,7 +274,10 @@ DRY_RUNS = [
 
 
 # What those dry runs must not print.
-DRY_RUNS_NEVER = {("kubeflow.sh", "pipeline"): ["TrainJob/lmops-train"]}
+DRY_RUNS_NEVER = {
+    ("kubeflow.sh", "pipeline"): ["TrainJob/lmops-train"],
+    ("kubeflow.sh", "sweep"): ["TrainJob/lmops-train"],
+}
 
 
 def stand_ins(folder: Path, kubectl: str) -> str:
@@ -301,6 +335,13 @@ def test_missing_or_wrong_settings_stop_with_a_clear_message(script, env, messag
     proc = run_script(script, "--dry-run", path_prefix=stand_ins(tmp_path / "bin", kubectl), **env)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "printed, not run" not in proc.stderr  # the dry run stopped: it printed not all of it
+
+
+@pytest.mark.parametrize("other", ["GPU", "CANARY"])
+def test_kubeflow_llm_deploy_is_its_own_variant(other, tmp_path, kubectl):
+    bin_dir = stand_ins(tmp_path / "bin", kubectl)
+    proc = run_script("kubeflow.sh", "--dry-run", "deploy", path_prefix=bin_dir, LLM="1", **{other: "1"})
+    assert proc.returncode != 0 and "LLM=1 cannot be combined with GPU or CANARY" in proc.stderr, proc.stderr
 
 
 def test_kubeflow_needs_a_kubeconfig_only_to_run_for_real(tmp_path, kubectl):

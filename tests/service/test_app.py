@@ -12,6 +12,7 @@ import pytest
 
 from lmops.errors import LmopsError
 from lmops.runtime.engine import EngineConfig, SamplingParams
+from lmops.runtime.engine.config import KVEventsConfig
 from production_service import app as app_module
 from production_service import settings as settings_module
 from production_service.app import create_app
@@ -429,7 +430,8 @@ def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
     monkeypatch.setenv("LMOPS_MADE_UP_FIELD", "7")
     with pytest.raises(LmopsError, match="LMOPS_MADE_UP_FIELD"):  # EngineConfig has no such field
         ServiceConfig.from_env()
-    unset_examples = {"kv_cache_memory": "1000000", "quantization": "int8"}  # fields whose default is None
+    # fields whose default is None
+    unset_examples = {"kv_cache_memory": "1000000", "quantization": "int8", "kv_events_config": '{"hwm": 7}'}
     for f in dataclasses.fields(EngineConfig):
         value = getattr(EngineConfig(), f.name)
         env = str(value).lower() if value is not None else unset_examples[f.name]
@@ -438,6 +440,7 @@ def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
     monkeypatch.setattr(settings_module, "_ENGINE_FIELDS", settings_module._ENGINE_FIELDS[:-1])
     engine = ServiceConfig.from_env().engine
     assert engine.kv_cache_memory == 1000000 and engine.quantization == "int8"
+    assert engine.kv_events_config == KVEventsConfig(hwm=7)  # JSON, parsed: vLLM's keys
 
 
 def test_vllm_sampling_extensions_are_honoured(client, app):

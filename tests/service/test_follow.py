@@ -22,8 +22,9 @@ from lmops.pipeline.scratch_registry import local_registry
 from lmops.runtime.model_dir import WEIGHTS_FILE, export
 from production_service.model_source import CHAMPION, Source
 from production_service.settings import ServiceConfig
-from tests.conftest import make_tiny_model_dir
+from tests.conftest import free_port, make_tiny_model_dir
 from tests.service.conftest import make_model_dir, start_server
+from tests.unit.engine.kv_subscriber import BlockStored, Subscriber
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -223,6 +224,57 @@ def test_an_export_is_followed_through_its_link(model_dir, tmp_path):
         assert metric(server, "lmops:model_swaps_total", role="champion") == 1
     finally:
         server.stop()
+
+
+def test_a_swap_hands_the_kv_events_to_the_new_version(model_dir, tmp_path):
+    """llm-d's subscriber on a replica that follows its export, a challenger beside it:
+    the new version publishes on the endpoint the replica bound once, what the old one
+    announced is cleared, and the challenger's cache is never announced."""
+    port, replay = free_port(), free_port()
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+    }
+    target = tmp_path / "export"
+    export(model_dir, target, model_name="lmops", model_version=1)
+    server = start_server(
+        target,
+        tmp_path / "server.log",
+        LMOPS_MODEL_POLL_S=POLL_S,
+        LMOPS_KV_EVENTS_CONFIG=json.dumps(events),
+        LMOPS_CHALLENGER_DIR=str(model_dir),
+    )
+
+    def serve(prompt: str, model: str | None = None) -> list[int]:
+        """The prompt's full blocks' token ids, once its completion is answered."""
+        body = {"prompt": prompt, "max_tokens": 1, **({"model": model} if model else {})}
+        r = requests.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        ids = requests.post(f"{server.url}/tokenize", json={"prompt": prompt}, timeout=5).json()["tokens"]
+        return ids[: len(ids) // 16 * 16]  # LMOPS_BLOCK_SIZE's default
+
+    def since_last_clear() -> list:
+        kinds = [type(e).__name__ for e in sub.events()]
+        last = len(kinds) - 1 - kinds[::-1].index("AllBlocksCleared")
+        return sub.events()[last + 1 :]
+
+    def announced(events) -> list[int]:
+        return [t for e in events if isinstance(e, BlockStored) for t in e.token_ids]
+
+    try:
+        old = serve("for item in range(10):\n    total = total + item * index\n" * 2)
+        sub.poll(lambda s: announced(s.events())[-len(old) :] == old)  # after the warm-up's
+        export(model_dir, target, model_name="lmops", model_version=2)
+        wait_for(lambda: served_version(server) == "2", 20, "version 2 serving")
+        serve("SELECT name, count FROM items WHERE id = 1 ORDER BY name;\n" * 2, "lmops-tiny@challenger")
+        new = serve("def total(items):\n    return sum(item.count for item in items)\n" * 2)
+        sub.poll(lambda s: announced(since_last_clear()) == new)
+        assert sub.topics == {b""} and not [line for line in server.log_lines() if "Traceback" in line]
+    finally:
+        server.stop()
+        sub.close()
 
 
 def test_what_moves_is_followed_and_a_version_number_never_moves(model_dir, tmp_path):

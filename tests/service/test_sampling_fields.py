@@ -14,8 +14,8 @@ from production_service.schemas import UNLOADED, request_models, validate
 from production_service.settings import ServiceConfig
 
 SAMPLING = {f.name for f in dataclasses.fields(SamplingParams)}
-# The request fields that are not SamplingParams fields.
-SHARED = {"model", "stream", "stream_options", "user", "response_format"}
+# The request fields that are not SamplingParams fields (priority: the scheduler's).
+SHARED = {"model", "stream", "stream_options", "user", "response_format", "priority"}
 COMPLETION_ONLY = {"prompt", "echo", "truncate_prompt_tokens"}
 CHAT_ONLY = {
     "messages",

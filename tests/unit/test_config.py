@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from lmops.errors import LmopsError
-from lmops.pipeline.params import Params, load_params, parse_params
+from lmops.pipeline.params import Params, load_params, parse_params, update_params
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,3 +98,22 @@ def test_deprecated_block_size_reads_as_max_seq_len(caplog):
 def test_block_size_and_max_seq_len_together_is_an_error():
     with pytest.raises(LmopsError, match="max_seq_len only"):
         parse_params({"model": {"block_size": 128, "max_seq_len": 128}})
+
+
+def test_update_params_sets_dotted_keys_and_writes_nothing_when_the_result_is_invalid(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("train:\n  max_steps: 10\n")
+    params = update_params(path, {"train.muon_lr": 0.01, "model.n_layer": 2})
+    assert (params.train.muon_lr, params.train.max_steps, params.model.n_layer) == (0.01, 10, 2)
+    assert load_params(path) == params
+    before = path.read_text()
+    for updates, message in (
+        ({"train.max_steps": 0}, r"params.yaml with train.max_steps=0: 'train.max_steps'"),
+        ({"train.muon_lrr": 1}, r"unknown key 'train.muon_lrr' \(did you mean 'muon_lr'\?\)"),
+        ({"muon_lr": 1}, r"'muon_lr' is not SECTION.KEY"),
+        ([["train.muon_lr", 1]], r"expected a JSON object of SECTION.KEY values"),
+    ):
+        with pytest.raises(LmopsError, match=message):
+            update_params(path, updates)
+        assert path.read_text() == before
+    assert update_params(path, {}) == params and path.read_text() == before  # a step without overrides

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from lmops.errors import LmopsError
-from lmops.pipeline.checkpoint import load_checkpoint, save_checkpoint, weights_of
+from lmops.pipeline.checkpoint import fingerprint, load_checkpoint, save_checkpoint, weights_of
 from lmops.pipeline.optim import MuonAdamW, make_optimizer
-from lmops.pipeline.params import TrainConfig
+from lmops.pipeline.params import TrainConfig, parse_params
 from lmops.pipeline.train import (
     PeakFlops,
     Progress,
@@ -15,6 +15,7 @@ from lmops.pipeline.train import (
     continues,
     deterministic_kernels,
     estimate_val_loss,
+    follow_the_data,
     lr_at,
     measure_peak_flops,
     write_log,
@@ -90,6 +91,64 @@ def test_a_checkpoint_continues_under_another_max_steps_only_where_the_schedule_
     # wsd: steps before both cooldowns (100 steps cool from step 80, 200 from 160, 300 from 240).
     assert continues(cfg("wsd"), 100, 80) and not continues(cfg("wsd"), 100, 81)
     assert continues(cfg("wsd"), 300, 160) and not continues(cfg("wsd"), 300, 161)
+
+
+# The default run's tokens: 800 steps x 16 x 256 = 3,276,800.
+DEFAULT_RUN_TOKENS = 800 * 16 * 256
+
+
+@pytest.mark.parametrize(
+    ("train_tokens", "dropout", "schedule"),
+    [
+        (30 * DEFAULT_RUN_TOKENS, 0.0, "wsd"),  # a 1 GB corpus: a thirtieth of a pass
+        (DEFAULT_RUN_TOKENS // 2, 0.0, "wsd"),  # two passes, the last of the few
+        (DEFAULT_RUN_TOKENS // 3, 0.1, "wsd"),  # three
+        (DEFAULT_RUN_TOKENS // 12, 0.2, "plateau"),  # tiny Shakespeare's twelve
+    ],
+)
+def test_auto_dropout_and_schedule_follow_the_epochs_over_the_data(train_tokens, dropout, schedule):
+    resolved, choices = follow_the_data(parse_params({}), train_tokens)
+    assert (resolved.model.dropout, resolved.model.attention_dropout) == (dropout, 0.0)
+    assert resolved.train.lr_schedule == schedule
+    assert choices == {
+        "epochs": pytest.approx(DEFAULT_RUN_TOKENS / train_tokens, abs=1e-3),
+        "auto.model.dropout": dropout,
+        "auto.model.attention_dropout": 0.0,
+        "auto.train.lr_schedule": schedule,
+    }
+    world_of_two, _ = follow_the_data(parse_params({}), 2 * train_tokens, world=2)  # epochs count every rank
+    assert world_of_two == resolved
+
+
+def test_values_given_are_kept_and_auto_choices_change_the_checkpoint_fingerprint():
+    given = parse_params(
+        {"model": {"dropout": 0.05, "attention_dropout": 0.1}, "train": {"lr_schedule": "cosine"}}
+    )
+    assert follow_the_data(given, 1000) == (given, {"epochs": pytest.approx(3276.8)})
+    attention = parse_params({"model": {"attention_dropout": 0.1}})
+    assert follow_the_data(attention, 1000)[0].model.attention_dropout == 0.1
+    # Trained longer on the same data, a run can cross into another regime: then it is another
+    # run, and its checkpoints are not resumed.
+    few, _ = follow_the_data(parse_params({}), 10 * DEFAULT_RUN_TOKENS)
+    many, _ = follow_the_data(parse_params({"train": {"max_steps": 9000}}), DEFAULT_RUN_TOKENS)
+    assert fingerprint(few, 1, "d") != fingerprint(many, 1, "d")
+
+
+def test_auto_picks_cosine_for_a_run_too_short_for_wsd_and_a_choice_is_checked_as_params_are():
+    short = parse_params({"train": {"max_steps": 45, "warmup_steps": 40}})  # warmup + 9 cooldown steps > 45
+    assert follow_the_data(short, 10 * DEFAULT_RUN_TOKENS)[0].train.lr_schedule == "cosine"
+    assert (
+        follow_the_data(
+            short.model_copy(update={"train": short.train.model_copy(update={"max_steps": 50})}), 1
+        )[0].train.lr_schedule
+        == "plateau"
+    )
+    # what auto chose goes through params.yaml's checks, and the message says it was auto's choice
+    odd = parse_params({"model": {"attention_dropout": None}}).model_copy(
+        update={"train": TrainConfig.model_construct(**{**TrainConfig().model_dump(), "max_steps": 0})}
+    )
+    with pytest.raises(LmopsError, match=r"params.yaml \(auto chose .* epochs\): 'train.max_steps'"):
+        follow_the_data(odd, 1000)
 
 
 def test_batches_depend_only_on_their_seed():

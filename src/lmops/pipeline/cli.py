@@ -1,4 +1,4 @@
-"""`lmops` entry point: one subcommand per pipeline stage, plus trainjob, generate, bench, serve and links.
+"""`lmops` entry point: one subcommand per pipeline stage, plus params, trainjob, generate, bench, serve and links.
 
 Every user-fixable problem is an `LmopsError`: printed as one line, exit code 1,
 no traceback. Stages run from the repository root (paths are relative to it).
@@ -7,6 +7,7 @@ no traceback. Stages run from the repository root (paths are relative to it).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 from lmops.errors import LmopsError
-from lmops.pipeline.params import PARAMS_FILE, load_params
+from lmops.pipeline.params import PARAMS_FILE, load_params, update_params
 
 log = logging.getLogger("lmops")
 STAGES = ("get_data", "split", "tokenize", "train", "evaluate", "promote")
@@ -170,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
             )
             step.add_argument("--part", metavar="K/N", help="encode part K of N of every split (0-based)")
             step.add_argument("--merge", type=Path, metavar="DIR", help="join the part directories in DIR")
+    change = sub.add_parser("params", help="set params.yaml keys, checked (a Kubeflow sweep's steps)")
+    change.add_argument(
+        "--update",
+        required=True,
+        metavar="JSON",
+        help="dotted keys and values, e.g. '{\"train.muon_lr\": 0.01}'",
+    )
     job = sub.add_parser(
         "trainjob", help="the train stage as a Kubeflow Trainer v2 TrainJob (the KFP pipeline's train step)"
     )
@@ -232,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in STAGES:
             _run_stage(args.command, args)
+        elif args.command == "params":
+            try:
+                updates = json.loads(args.update)
+            except json.JSONDecodeError as exc:
+                raise LmopsError(f"--update {args.update}: not JSON ({exc})") from None
+            update_params(args.params, updates)
         elif args.command == "trainjob":
             _trainjob(args)
         elif args.command == "generate":

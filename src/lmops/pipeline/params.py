@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from lmops import atomic
 from lmops.errors import LmopsError
 from lmops.runtime.model_config import LlamaShape
 
@@ -79,10 +80,17 @@ class TokenizerConfig(_Section):
     shard_bytes: Annotated[int, Field(ge=4)] = 1_000_000_000
 
 
+AUTO = "auto"
+
+
 class ModelConfig(LlamaShape, _Section):
     """params.yaml's face of the model's shape (`lmops.runtime.model_config.LlamaShape`, where its
     fields, defaults and checks are defined once): read as strictly as every section (no type
-    coercion) and taking the deprecated `block_size`. The tokenizer adds the vocabulary at train time."""
+    coercion) and taking the deprecated `block_size`. The tokenizer adds the vocabulary at train
+    time, and train replaces `dropout: auto` (the one value the shape itself does not take) with
+    what the data calls for (`lmops.pipeline.train.follow_the_data`)."""
+
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] | Literal["auto"] = AUTO
 
     @model_validator(mode="before")
     @classmethod
@@ -104,7 +112,7 @@ def cooldown_steps(max_steps: int, fraction: float) -> int:
 class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 1337
-    max_steps: PositiveInt = 900
+    max_steps: PositiveInt = 800
     batch_size: PositiveInt = 16
     grad_accum_steps: PositiveInt = 1
     learning_rate: Annotated[float, Field(gt=0)] = 3e-3
@@ -116,7 +124,8 @@ class TrainConfig(_Section):
     # steps, which fall linearly to min_lr. Under plateau and before wsd's cooldown nothing
     # depends on max_steps, so a longer run passes through every state of a shorter one, and
     # a checkpoint from there resumes under a raised max_steps (README, "Training longer").
-    lr_schedule: Literal["cosine", "plateau", "wsd"] = "cosine"
+    # auto: chosen by train from the epochs the run makes over its data (follow_the_data).
+    lr_schedule: Literal["auto", "cosine", "plateau", "wsd"] = AUTO
     lr_plateau_patience: PositiveInt = 1
     lr_plateau_factor: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5
     cooldown_fraction: Annotated[float, Field(gt=0.0, le=1.0, validate_default=True)] = 0.2
@@ -292,12 +301,43 @@ def parse_params(raw: Any, origin: str = PARAMS_FILE) -> Params:
         raise LmopsError(f"{origin}: {problems}") from None
 
 
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise LmopsError(f"{path}: not valid YAML: {exc}") from None
+
+
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
     path = Path(path)
     if not path.is_file():
         raise LmopsError(f"{path}: params file not found (run from the repository root)")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise LmopsError(f"{path}: not valid YAML: {exc}") from None
-    return parse_params(raw, str(path))
+    return parse_params(_read_yaml(path), str(path))
+
+
+def update_params(path: str | Path, updates: Any) -> Params:
+    """Set dotted keys of a params file, `{"train.muon_lr": 0.01}` (what `dvc exp run -S` does,
+    for a Kubeflow sweep's steps): written only when the result is valid, checked as every
+    stage checks it. Comments are not kept: the file is dumped again."""
+    path = Path(path)
+    if updates == {}:  # a pipeline step without overrides
+        return load_params(path)
+    if not isinstance(updates, dict):
+        raise LmopsError(
+            f'{path}: expected a JSON object of SECTION.KEY values, e.g. {{"train.muon_lr": 0.01}}'
+        )
+    raw = (_read_yaml(path) if path.is_file() else None) or {}
+    if not isinstance(raw, dict):
+        raise LmopsError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
+    for key, value in updates.items():
+        section, _, name = str(key).partition(".")
+        if not name or "." in name:
+            raise LmopsError(f"{path}: '{key}' is not SECTION.KEY (e.g. train.muon_lr)")
+        if not isinstance(raw.setdefault(section, {}), dict):
+            raise LmopsError(f"{path}: '{section}' is not a section")
+        raw[section][name] = value
+    said = ", ".join(f"{k}={v!r}" for k, v in updates.items())
+    params = parse_params(raw, f"{path} with {said}")
+    atomic.write_text(path, yaml.safe_dump(raw, sort_keys=False))
+    log.info("%s: %s", path, said)
+    return params

@@ -50,7 +50,7 @@ from lmops.errors import LmopsError
 from lmops.pipeline import tracking
 from lmops.pipeline.checkpoint import fingerprint, load_checkpoint, load_weights, save_checkpoint, weights_of
 from lmops.pipeline.optim import Optimizer, make_optimizer
-from lmops.pipeline.params import Params, TrainConfig, cooldown_steps
+from lmops.pipeline.params import AUTO, Params, TrainConfig, cooldown_steps, parse_params
 from lmops.pipeline.paths import (
     CHECKPOINT_DIR,
     MANIFEST_FILE,
@@ -117,6 +117,45 @@ def lr_at(step: int, cfg: TrainConfig, plateau_decays: int = 0) -> float:
         return cfg.learning_rate + cooled * (cfg.min_lr - cfg.learning_rate)
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.learning_rate - cfg.min_lr)
+
+
+# `auto` follows the epochs a run makes over its train split (max_steps x tokens per step /
+# train tokens), so one params.yaml suits a 1 MB corpus and a 1 GB one. Within FEW_EPOCHS
+# validation falls to the end (the default corpus makes 1.04): no dropout, and wsd, whose
+# constant phase lets the same run be trained longer (cosine for a run too short for wsd's
+# warmup and cooldown). Past MANY_EPOCHS the model memorises
+# (validation turns up after ~5 epochs on tiny Shakespeare): dropout on the residual branches
+# (not on the attention weights, which costs 2.3x a CPU step) and plateau, which cuts the rate
+# whenever validation stalls. benchmarks/README.md, "The training recipe", has the measurements.
+FEW_EPOCHS, MANY_EPOCHS = 2.0, 4.0
+
+
+def follow_the_data(params: Params, train_tokens: int, world: int = 1) -> tuple[Params, dict]:
+    """`params` with every `auto` replaced by its choice for this much data, checked as params.yaml
+    is (a wsd cooldown that does not fit names its key), and what was chosen, with the epochs."""
+    cfg = params.train
+    tokens = cfg.max_steps * cfg.batch_size * cfg.grad_accum_steps * world * params.model.max_seq_len
+    epochs = tokens / max(1, train_tokens)
+    chosen: dict[str, dict] = {"model": {}, "train": {}}
+    if params.model.dropout == AUTO:
+        chosen["model"]["dropout"] = 0.0 if epochs <= FEW_EPOCHS else 0.1 if epochs <= MANY_EPOCHS else 0.2
+        if params.model.attention_dropout is None:
+            chosen["model"]["attention_dropout"] = 0.0
+    if cfg.lr_schedule == AUTO:
+        fits = cfg.warmup_steps + cooldown_steps(cfg.max_steps, cfg.cooldown_fraction) <= cfg.max_steps
+        chosen["train"]["lr_schedule"] = "plateau" if epochs > MANY_EPOCHS else "wsd" if fits else "cosine"
+    choices = {f"{section}.{key}": value for section, keys in chosen.items() for key, value in keys.items()}
+    if not choices:
+        return params, {"epochs": round(epochs, 3)}
+    raw = params.model_dump()
+    for section, keys in chosen.items():
+        raw[section].update(keys)
+    said = (
+        f"auto chose {', '.join(f'{key} {value}' for key, value in choices.items())} for {epochs:.2f} epochs"
+    )
+    log.info("%d steps over %d train tokens: %s", cfg.max_steps, train_tokens, said)
+    resolved = parse_params(raw, origin=f"params.yaml ({said})")
+    return resolved, {"epochs": round(epochs, 3), **{f"auto.{key}": v for key, v in choices.items()}}
 
 
 def cooldown_start(max_steps: int, cfg: TrainConfig) -> int:
@@ -313,6 +352,7 @@ class Run:
     progress: Progress
     compiled: bool = False  # `forward` runs through torch.compile (train.compile, and it worked)
     best: dict[str, torch.Tensor] | None = None  # CPU copy of the best weights (keep_best, main rank)
+    data_choices: dict = field(default_factory=dict)  # the epochs and each `auto`'s choice (follow_the_data)
 
     @property
     def cfg(self) -> TrainConfig:
@@ -352,6 +392,7 @@ def _setup(params: Params, device: torch.device, ddp: Dist, data_dir: Path, ckpt
     tokens_dir = data_dir / TOKENS_DIR.name
     check_tokenizer(tokens_dir, load_tokenizer(TOKENIZER_DIR))
     train_tokens = read_tokens(tokens_dir, "train")
+    params, data_choices = follow_the_data(params, len(train_tokens), ddp.world)
     torch.manual_seed(params.train.seed)  # identical initial weights on every rank
     model = Llama(LlamaConfig(vocab_size=vocab_size, **params.model.model_dump())).to(device)
     precision = resolve_precision(params.train.precision, device)
@@ -372,6 +413,7 @@ def _setup(params: Params, device: torch.device, ddp: Dist, data_dir: Path, ckpt
         ckpt_dir=ckpt_dir,
         manifest=json.loads(MANIFEST_FILE.read_text()) if MANIFEST_FILE.is_file() else {},
         progress=Progress(),
+        data_choices=data_choices,
     )
     _resume(run)
     if ddp.world > 1:
@@ -539,6 +581,10 @@ def _start_tracking(run: Run) -> None:
             "device": run.device.type,
             "compute_dtype": str(run.precision).removeprefix("torch."),
             "compiled": run.compiled,
+            "tokens_per_parameter": round(
+                run.data_choices["epochs"] * len(run.train_tokens) / run.model.num_params(), 3
+            ),
+            **run.data_choices,
         },
     )
     tracking.log_data_report(progress.run_id)

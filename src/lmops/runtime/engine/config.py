@@ -7,8 +7,9 @@ changes here and nowhere else.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 QUANTIZATION_METHODS = ("int8",)  # lmops.runtime.quantize implements them
 
@@ -45,6 +46,70 @@ _BOOLS = {
 }
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+# A request's priority is a 64-bit signed integer (lower runs first, as in vLLM).
+PRIORITY_BOUND = 2**63
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `KVEventsConfig`, key for key: the engine publishes its KV-cache events
+    (engine/kv_events.py) as vLLM does, so llm-d's precise prefix-cache scorer reads them."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled, else "null"
+    # vLLM's rule: an endpoint with "*", "::", ipc:// or inproc:// is bound, any other connected to.
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None  # a ROUTER socket, always bound; None: no replay
+    buffer_steps: int = 10_000  # batches (one per engine step) kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+    # vLLM bounds its hand-off queue with it; lmops sends on the engine's thread, so
+    # nothing queues (the PUB socket's hwm bounds what waits). Accepted, checked.
+    max_queue_size: int = 100_000
+    topic: str = ""  # llm-d reads "kv@<pod>@<model>"
+
+    def __post_init__(self):
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(
+                f"enable_kv_cache_events must be true or false, got {self.enable_kv_cache_events!r}"
+            )
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
+            raise ValueError(f"replay_endpoint must be a string or null, got {self.replay_endpoint!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            positive_int(name, getattr(self, name))
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: str | dict) -> KVEventsConfig:
+        """From LMOPS_KV_EVENTS_CONFIG's JSON text (or its dict); a wrong key or value is
+        one ValueError naming it."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"kv_events_config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
+        keys = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(keys))
+        if unknown:
+            raise ValueError(f"kv_events_config has an unknown key {unknown[0]!r}; vLLM's keys are {keys}")
+        try:
+            return cls(**value)
+        except ValueError as exc:
+            raise ValueError(f"kv_events_config is invalid: {exc}") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"  # "auto" = CUDA when present, else CPU
@@ -68,6 +133,11 @@ class EngineConfig:
     # prompt lookup (n-gram matches in the sequence's own tokens) and verified in the same
     # forward; the output is greedy's own. 0 disables it.
     num_speculative_tokens: int = 0
+    # vLLM's: "fcfs" serves requests in arrival order; "priority" serves the lowest
+    # `priority` first (ties by arrival) and preempts the highest when blocks run out.
+    scheduling_policy: str = "fcfs"
+    # KV-cache events for llm-d (vLLM's KVEventsConfig; JSON text in LMOPS_KV_EVENTS_CONFIG). Off: None.
+    kv_events_config: KVEventsConfig | str | dict | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "grammar_cache_size"):
@@ -80,6 +150,16 @@ class EngineConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {n!r}")
         check_quantization(self.quantization)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
+        if isinstance(self.kv_events_config, str | dict):
+            object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        elif self.kv_events_config is not None and not isinstance(self.kv_events_config, KVEventsConfig):
+            raise ValueError(
+                f"kv_events_config must be a KVEventsConfig or JSON, got {self.kv_events_config!r}"
+            )
         timeout = self.grammar_compile_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be a number of seconds > 0, got {timeout!r}")

@@ -11,6 +11,7 @@ import math
 import os
 import threading
 import uuid
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,9 +19,10 @@ import torch
 from tokenizers import Tokenizer
 
 from lmops.errors import LmopsError
-from lmops.runtime.engine.config import EngineConfig
+from lmops.runtime.engine.config import PRIORITY_BOUND, EngineConfig
 from lmops.runtime.engine.grammar import GrammarCompiler
 from lmops.runtime.engine.kv_cache import BlockManager, KVPool
+from lmops.runtime.engine.kv_events import ZmqEventPublisher, make_publisher
 from lmops.runtime.engine.metrics import EngineMetrics, now
 from lmops.runtime.engine.runner import ModelRunner, RunnerOutput
 from lmops.runtime.engine.sampling import (
@@ -83,7 +85,11 @@ class LLMEngine:
         engine_config: EngineConfig | None = None,
         *,
         eos_token_ids: list[int] | None = None,
+        kv_events: ZmqEventPublisher | None = None,
     ):
+        """`kv_events`: a publisher to share (its caller closes it: the service's, which
+        successive versions publish through); by default the engine opens its own when
+        `engine_config.kv_events_config` enables events."""
         cfg = model.config
         self.engine_config = engine_config = engine_config or EngineConfig()
         model = quantize(model, engine_config.quantization)  # in place, before the runner fuses weights
@@ -101,13 +107,24 @@ class LLMEngine:
         # that write into one extra block, which the block manager never hands out.
         compile_up_to = self.max_num_seqs if engine_config.compile and self.device.type == "cpu" else 0
         self.pool = KVPool(cfg, num_blocks + bool(compile_up_to), self.block_size, self.device, self.dtype)
-        self.block_manager = BlockManager(num_blocks, self.block_size, engine_config.enable_prefix_caching)
+        self._owns_kv_events = kv_events is None
+        self.kv_events = (
+            kv_events if kv_events is not None else make_publisher(engine_config.kv_events_config)
+        )
+        self.block_manager = BlockManager(
+            num_blocks,
+            self.block_size,
+            engine_config.enable_prefix_caching,
+            record_events=self.kv_events is not None,
+        )
+        self._publish_events()  # the new cache's AllBlocksCleared
         self.scheduler = Scheduler(
             self.block_manager,
             self.max_num_seqs,
             self.max_num_batched_tokens,
             self.eos_token_ids,
             engine_config.num_speculative_tokens,
+            engine_config.scheduling_policy,
         )
         self.runner = ModelRunner(model, self.pool, compile_up_to)
         self.reset_metrics()
@@ -131,11 +148,16 @@ class LLMEngine:
         cls,
         model_dir: str | Path,
         engine_config: EngineConfig | None = None,
+        *,
+        kv_events: ZmqEventPublisher | None = None,
         **overrides,
     ) -> LLMEngine:
         """Load a model directory (config.json, model.safetensors, tokenizer.json, and
         generation_config.json for extra EOS ids when present) with `engine_config`, any of
-        whose fields `overrides` replace (`from_pretrained(d, device="cpu", block_size=8)`)."""
+        whose fields `overrides` replace (`from_pretrained(d, device="cpu", block_size=8)`).
+        `kv_events`: a publisher to share, e.g. the one the engine this one replaces uses (a
+        new model served on the same event endpoints; its first batch clears what the old
+        one announced)."""
         try:
             ec = replace(engine_config or EngineConfig(), **overrides)
         except (TypeError, ValueError) as exc:
@@ -152,7 +174,13 @@ class LLMEngine:
             raise LmopsError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {ec.dtype!r}")
         tokenizer = load_tokenizer(d)
         model = Llama.from_pretrained(d, dev, dt)
-        return cls(model, tokenizer, ec, eos_token_ids=eos_token_ids(d, model.config.eos_token_id))
+        return cls(
+            model,
+            tokenizer,
+            ec,
+            eos_token_ids=eos_token_ids(d, model.config.eos_token_id),
+            kv_events=kv_events,
+        )
 
     def reset_metrics(self) -> None:
         """Fresh Prometheus metrics (the service drops its warm-up's); the cache's shape stays."""
@@ -195,13 +223,26 @@ class LLMEngine:
         request_id: str | None,
         prompt: str | list[int],
         params: SamplingParams | None = None,
+        priority: int = 0,
         score_prompt: bool = False,
     ) -> Request:
-        """Validate and tokenize (touches no engine state, so any thread may call it);
-        with `score_prompt`, the prompt's bits/byte is measured whatever the drift sample says."""
+        """Validate and tokenize (touches no engine state, so any thread may call it).
+        `priority` as vLLM's: lower runs first, only under the "priority" policy; with
+        `score_prompt`, the prompt's bits/byte is measured whatever the drift sample says."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if (
+            not isinstance(priority, int)
+            or isinstance(priority, bool)
+            or not -PRIORITY_BOUND <= priority < PRIORITY_BOUND
+        ):
+            raise ValueError(f"priority must be a 64-bit signed integer, got {priority!r}")
+        if priority != 0 and self.engine_config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs priority scheduling (LMOPS_SCHEDULING_POLICY=priority); "
+                "this engine serves in arrival order"
+            )
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -227,7 +268,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         spec = params.structured_outputs
         grammar = None if spec is None else self.grammars.matcher(spec)  # GrammarError: a ValueError
-        return Request(str(rid), text, ids, params, max_tokens, now(), grammar, score_prompt)
+        return Request(str(rid), text, ids, params, max_tokens, now(), grammar, priority, score_prompt)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -308,6 +349,7 @@ class LLMEngine:
         sampled = self._sample(batch, output)
         update = self.scheduler.update(batch, output.prompt_scores, sampled)
         self._record(batch, update, now())
+        self._publish_events()
         outputs = []
         for rid, req in update.requests.items():
             if req.finished:
@@ -315,6 +357,37 @@ class LLMEngine:
             if req.finished or not req.final_only:
                 outputs.append(make_output(req))
         return outputs
+
+    def _publish_events(self) -> None:
+        """The KV-cache events since the last batch, as one batch (nothing when none); after
+        `stop_publishing`, dropped."""
+        if not self.block_manager.events:
+            return
+        publisher = self.kv_events  # read once: `stop_publishing` may run on another thread
+        events = self.block_manager.take_events()
+        if publisher is not None:
+            publisher.publish(events)
+
+    def stop_publishing(self) -> None:
+        """No more KV-cache events from this engine, from any thread: the service calls it
+        when a new version takes over the sockets, so a router never hears of the old
+        version's blocks again."""
+        self.kv_events = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block and announce it (AllBlocksCleared); False while
+        requests hold blocks."""
+        done = self.block_manager.reset_prefix_cache()
+        self._publish_events()
+        return done
+
+    def close(self) -> None:
+        """Stop the KV-cache events (the engine serves on without them), closing the sockets
+        if this engine opened them."""
+        publisher, self.kv_events = self.kv_events, None
+        self.block_manager.events = None
+        if publisher is not None and self._owns_kv_events:
+            publisher.close()
 
     def _sample(self, batch: ScheduledBatch, output: RunnerOutput) -> SampleResult | None:
         """A token for each of `batch.samples`, from its row of the logits: the argmax the
@@ -380,9 +453,8 @@ class LLMEngine:
             self.metrics.on_prompt_scored(seq.request.metrics, seq.prompt_nll / math.log(2) / n_bytes)
 
     def _update_gauges(self) -> None:
-        self.metrics.set_state(
-            running=self.num_running, waiting=self.num_waiting, kv_usage=self.block_manager.usage
-        )
+        waiting = Counter({s.request.request_id: s.request.priority for s in self.scheduler.waiting}.values())
+        self.metrics.set_state(running=self.num_running, waiting=waiting, kv_usage=self.block_manager.usage)
 
     def generate(
         self,

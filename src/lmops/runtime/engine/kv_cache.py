@@ -11,6 +11,11 @@ partly empty. With prefix caching, each full block is keyed by a chained hash of
 prompt; a block whose ref count drops to 0 stays cached in the free queue and is
 evicted least recently used first (never-cached free blocks are handed out before
 any cached one). Blocks shared by `n > 1` siblings are copied on write.
+
+With `record_events`, the manager also records what the cache's index (`cached`)
+gains and loses, as vLLM's KV-cache events (engine/kv_events.py): a hash entering it
+is stored once, a hash leaving it (its block evicted) removed, a new or reset cache
+cleared; the engine publishes them after each step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmops.runtime.engine.kv_events import (
+    MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    external_hash,
+)
 from lmops.runtime.model_config import LlamaConfig
 
 if TYPE_CHECKING:
@@ -76,13 +89,38 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+    ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order: never-cached at the front, then cached ones LRU first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        # KV-cache events since `take_events`; None: not recorded. A new cache starts
+        # cleared: whatever a subscriber knew of this engine's blocks is gone.
+        self.events: list[KVCacheEvent] | None = [AllBlocksCleared()] if record_events else None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (a new model's K/V differ); False, and nothing changes,
+        while any block is in use (as vLLM's reset_prefix_cache)."""
+        if self.num_free_blocks < self.num_blocks:
+            return False
+        for b in self.blocks:
+            b.hash = b.token_ids = None
+        self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
 
     @property
     def num_blocks(self) -> int:
@@ -111,6 +149,8 @@ class BlockManager:
         if b.hash is not None:  # evict: its contents are about to be overwritten
             if self.cached.get(b.hash) == bid:
                 del self.cached[b.hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved([external_hash(b.hash)], MEDIUM))
             b.hash = b.token_ids = None
         b.ref_count = 1
         return bid
@@ -201,14 +241,29 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        stored: BlockStored | None = None  # the run of blocks this call adds to the index
         for i in range(len(seq.block_hashes), num_tokens // bs):
             chunk = seq.token_ids[i * bs : (i + 1) * bs]
-            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = block_hash(parent, chunk)
             b = self.blocks[seq.block_table[i]]
+            new = b.hash is None and h not in self.cached  # the index gains h
             if b.hash is None:
                 b.hash, b.token_ids = h, tuple(chunk)
                 self.cached.setdefault(h, b.block_id)
+            if self.events is not None:
+                stored = self._record_stored(stored, parent, h, chunk) if new else None
             seq.block_hashes.append(h)
+
+    def _record_stored(self, run: BlockStored | None, parent: bytes | None, h: bytes, chunk) -> BlockStored:
+        """Extend the current run of stored blocks with one, or start a new event."""
+        if run is None:
+            parent_hash = None if parent is None else external_hash(parent)
+            run = BlockStored([], parent_hash, [], self.block_size, None, MEDIUM, None)
+            self.events.append(run)
+        run.block_hashes.append(external_hash(h))
+        run.token_ids.extend(chunk)
+        return run
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Release seq's blocks past those `num_tokens` tokens need (rejected draft tokens'),

@@ -103,9 +103,12 @@ class EngineLoop:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         score_prompt: bool = False,
     ) -> RequestStream:
-        req = self.engine.make_request(request_id, prompt, params, score_prompt)  # raises ValueError here
+        req = self.engine.make_request(
+            request_id, prompt, params, priority, score_prompt
+        )  # raises ValueError here
         with self._cv:
             if not self._accepting:
                 raise RuntimeError("shutting down")
@@ -147,6 +150,7 @@ class EngineLoop:
             self._thread.join(max(timeout, 0.0) + 30.0)
         elif self._error is None:  # never started: end whatever was queued
             self._abort_all()
+        self.engine.close()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._cv:

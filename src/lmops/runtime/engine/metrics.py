@@ -36,6 +36,11 @@ _LATENCY_BUCKETS = (
 BPB_BUCKETS = tuple(round(0.5 * 1.125**k, 3) for k in range(30))
 
 
+# Per-priority series: the first this many distinct request priorities get a label of their
+# own, later ones share "other", so no client can grow /metrics with new priorities.
+MAX_PRIORITY_LABELS = 16
+
+
 def now() -> float:
     """The one clock all request timings use (monotonic: immune to wall-clock jumps)."""
     return time.monotonic()
@@ -101,6 +106,20 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.queue_by_priority = Histogram(
+            "lmops:request_queue_time_by_priority_seconds",
+            "Time from arrival to first scheduling, by request priority (lower runs first).",
+            ["priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.waiting_by_priority = Gauge(
+            "lmops:num_requests_waiting_by_priority",
+            "Requests waiting to be scheduled, by request priority.",
+            ["priority"],
+            registry=r,
+        )
+        self._priority_labels: set[str] = set()
         self.running = Gauge("lmops:num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("lmops:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
         self.kv_usage = Gauge(
@@ -193,7 +212,7 @@ class EngineMetrics:
         for seq in batch.admitted:
             m = seq.request.metrics
             if m.first_scheduled_time is None:
-                self.on_first_scheduled(m, t)
+                self.on_first_scheduled(m, t, seq.request.priority)
                 m.num_cached_tokens = seq.num_computed_tokens
                 prompt_tokens += m.num_prompt_tokens
         if batch.preempted:
@@ -227,16 +246,32 @@ class EngineMetrics:
         self.spec_draft_tokens.inc(drafted)
         self.spec_accepted_tokens.inc(accepted)
 
-    def on_first_scheduled(self, m: RequestMetrics, t: float) -> None:
+    def on_first_scheduled(self, m: RequestMetrics, t: float, priority: int = 0) -> None:
         m.first_scheduled_time = t
         self.queue.observe(t - m.arrival_time)
+        self.queue_by_priority.labels(self._priority_label(priority)).observe(t - m.arrival_time)
+
+    def _priority_label(self, priority: int) -> str:
+        label = str(priority)
+        if label not in self._priority_labels:
+            if len(self._priority_labels) >= MAX_PRIORITY_LABELS:
+                return "other"
+            self._priority_labels.add(label)
+        return label
 
     def on_finished(self, m: RequestMetrics, reason: str, t: float) -> None:
         m.finished_time = t
         self.e2e.observe(t - m.arrival_time)
         self.success.labels(finished_reason=reason).inc()
 
-    def set_state(self, *, running: int, waiting: int, kv_usage: float) -> None:
+    def set_state(self, *, running: int, waiting: dict[int, int], kv_usage: float) -> None:
+        """`waiting`: requests waiting, by priority."""
         self.running.set(running)
-        self.waiting.set(waiting)
+        self.waiting.set(sum(waiting.values()))
         self.kv_usage.set(kv_usage)
+        counts = dict.fromkeys(self._priority_labels, 0)
+        for priority, count in waiting.items():
+            label = self._priority_label(priority)
+            counts[label] = counts.get(label, 0) + count
+        for label, count in counts.items():
+            self.waiting_by_priority.labels(label).set(count)

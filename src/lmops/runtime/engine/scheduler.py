@@ -7,6 +7,10 @@ are allocated as tokens are scheduled; when none are left, the newest running
 sequence is preempted: its blocks are freed and it waits at the head of the queue
 to be recomputed (its cached prefix blocks usually survive, so that is cheap).
 
+Under the "priority" policy (vLLM's) the waiting queue is kept in order of the requests'
+`priority` (lower first), then arrival; running sequences are served in that order and
+the preemption victim is the last of it: the lowest priority, newest first.
+
 With `num_speculative_tokens`, a plain greedy decode also carries a draft (`ngram_draft`:
 prompt lookup, no draft model): its tokens are computed in the same forward as the
 sequence's last token, and the sampler keeps the prefix that greedy decoding would have
@@ -19,6 +23,7 @@ sequences freed), as nano-vllm's `postprocess` and vLLM's `update_from_output`.
 
 from __future__ import annotations
 
+import bisect
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,8 +72,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
         num_speculative_tokens: int = 0,
+        policy: str = "fcfs",
     ):
         self.bm = block_manager
+        self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
@@ -77,7 +84,18 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._enqueue(seq)
+        else:
+            self.waiting.append(seq)
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, float, int]:
+        """Serving order under the priority policy: priority, then arrival."""
+        return seq.request.priority, seq.request.metrics.arrival_time, seq.seq_id
+
+    def _enqueue(self, seq: Sequence) -> None:
+        self.waiting.insert(bisect.bisect(self.waiting, self._rank(seq), key=self._rank), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -86,8 +104,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
+        order = sorted(self.running, key=self._rank) if self.by_priority else list(self.running)
         for decodes in (True, False):
-            for seq in list(self.running):
+            for seq in order:
                 if budget == 0:
                     break
                 todo = seq.num_tokens - seq.num_computed_tokens
@@ -98,7 +117,9 @@ class Scheduler:
                     seq.draft = self._draft(seq, budget - 1)
                     n += len(seq.draft)
                 while (copies := self.bm.allocate(seq, seq.num_computed_tokens + n)) is None:
-                    victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+                    victim = next(
+                        s for s in reversed(order) if s.status is Status.RUNNING and s.seq_id not in scheduled
+                    )
                     self.preempt(victim)
                     batch.preempted.append(victim)
                     if victim is seq:
@@ -224,7 +245,10 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.draft = []
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._enqueue(seq)  # before later arrivals of its priority
+        else:
+            self.waiting.appendleft(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""

@@ -269,6 +269,7 @@ class Request:
         max_tokens: int,
         arrival_time: float,
         grammar: llguidance.LLMatcher | None = None,
+        priority: int = 0,
         score_prompt: bool = False,
     ):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
@@ -276,6 +277,7 @@ class Request:
         # comparison scores the same prompts on two models).
         self.score_prompt = score_prompt
         self.params, self.max_tokens = params, max_tokens
+        self.priority = priority  # vLLM's: lower runs first (the "priority" scheduling policy)
         self.grammar = grammar  # the first sequence's; its siblings copy it when they fork
         self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.seqs: list[Sequence] = []
