@@ -55,15 +55,18 @@ class Tally:
     tokens: int = 0
     requests: int = 0
     errors: list[str] = field(default_factory=list)
+    # (sent, first token, the X-Model-Version that answered) per request with a token
+    answers: list[tuple[float, float, str | None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, sent: float, token_times: list[float], tokens: int) -> None:
+    def add(self, sent: float, token_times: list[float], tokens: int, version: str | None = None) -> None:
         with self.lock:
             self.requests += 1
             self.tokens += tokens
             if token_times:
                 self.ttft.append(token_times[0] - sent)
                 self.itl.extend(b - a for a, b in zip(token_times, token_times[1:], strict=False))
+                self.answers.append((sent, token_times[0], version))
 
     def error(self, what: str) -> None:
         with self.lock:
@@ -146,7 +149,8 @@ def http_client(url: str, api_key: str | None, max_tokens: int, texts: list[str]
             local.conn = None
             tally.error("stream ended without [DONE]")
             return
-        tally.add(sent, token_times, json.loads(last[6:])["usage"]["completion_tokens"])
+        tokens = json.loads(last[6:])["usage"]["completion_tokens"]
+        tally.add(sent, token_times, tokens, response.getheader("X-Model-Version"))
 
     return one_request
 
@@ -209,13 +213,15 @@ def start_server(model_dir: Path, device: str, **settings: str) -> tuple[subproc
     return proc, url
 
 
-def build_random_model(directory: Path) -> Path:
+def build_random_model(directory: Path, seed: int = 0) -> Path:
     """The training default size with random weights (the benchmark measures speed, not text)."""
     from lmops.pipeline.random_model import random_model_dir
 
     text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else "To be, or not to be. " * 5000
     texts = [text[i : i + 65536] for i in range(0, len(text), 65536)]
-    return random_model_dir(directory, texts, 4096, 256, seed=0, meta={"model_name": "random-default-size"})
+    return random_model_dir(
+        directory, texts, 4096, 256, seed=seed, meta={"model_name": "random-default-size"}
+    )
 
 
 def pct(values: list[float], q: float) -> float | None:

@@ -42,6 +42,7 @@ from production_service.schemas import (
 from production_service.settings import ServiceConfig
 
 _REQUEST_ID = re.compile(r"[\w.:/+=@-]{1,128}")
+MODEL_VERSION_HEADER = "X-Model-Version"  # the registry version of the model that answered
 
 api = Blueprint("api", __name__)
 ops = Blueprint("ops", __name__)
@@ -94,6 +95,11 @@ def _begin() -> None:
 def _end(response: Response) -> Response:
     stats = g.get("stats") or RequestStats(uuid.uuid4().hex)
     response.headers["X-Request-ID"] = stats.request_id
+    served = g.pop("served", None)
+    if served is not None:  # a model request: which version answered, and its pin let go at the end
+        if served.model.version is not None:
+            response.headers[MODEL_VERSION_HEADER] = served.model.version
+        response.call_on_close(served.release)
     if response.status_code >= 400 and response.is_json:
         stats.error = ((response.get_json(silent=True) or {}).get("error") or {}).get("code")
     handler = request.url_rule.rule if request.url_rule else "unmatched"
@@ -147,40 +153,43 @@ def _authorize() -> None:
 
 
 def _validated(endpoint: str):
-    """The body as the endpoint's request model (schemas.RequestModels' field), sized
-    against the context before anything looks at it item by item."""
+    """The model the body names (pinned for the request: `Runtime.pin`), and the body as
+    the endpoint's request model (schemas.RequestModels' field) for that model, sized
+    against its context before anything looks at it item by item."""
     runtime = _runtime()
     body = _json_body(runtime.config.max_body_bytes)
-    completions.check_prompt_size(body, runtime.limits)
-    request_model = getattr(request_models(runtime.limits), endpoint)
-    structured.reject_guided(body)
-    check_fields(request_model, body)
-    valid = validate(request_model, body)
-    model = getattr(valid, "model", None)
-    if model is not None and model != runtime.model.name:
+    model = body.get("model") if isinstance(body, dict) else None
+    served = runtime.pin(model if isinstance(model, str) else None)
+    if served is None:
+        ids = [s.id for s in runtime.served.values()]
         raise APIError(
             404,
-            f"The model {model!r} does not exist; this server serves {runtime.model.name!r}.",
+            f"The model {model!r} does not exist; this server serves {' and '.join(map(repr, ids))}.",
             code="model_not_found",
             param="model",
         )
-    return valid
+    g.served = served
+    completions.check_prompt_size(body, served.limits)
+    request_model = getattr(request_models(served.limits), endpoint)
+    structured.reject_guided(body)
+    check_fields(request_model, body)
+    return served, validate(request_model, body)
 
 
 @api.post("/v1/completions", endpoint="completions")
 def _completions():
-    runtime, stats = _runtime(), g.stats
-    body = _validated("completion")
-    jobs = completions.submit(runtime, body, stats, completions.encode_prompts(runtime, body))
-    return _answer(completions.TextFormat(runtime, body, f"cmpl-{stats.request_id}"), jobs, body, stats)
+    stats = g.stats
+    served, body = _validated("completion")
+    jobs = completions.submit(_runtime(), served, body, stats, completions.encode_prompts(served, body))
+    return _answer(completions.TextFormat(served, body, f"cmpl-{stats.request_id}"), jobs, body, stats)
 
 
 @api.post("/v1/chat/completions", endpoint="chat_completions")
 def _chat_completions():
-    runtime, stats = _runtime(), g.stats
-    body = _validated("chat")
-    jobs = completions.submit(runtime, body, stats, chat.encode_messages(runtime, body))
-    return _answer(chat.ChatFormat(runtime, f"chatcmpl-{stats.request_id}", body), jobs, body, stats)
+    stats = g.stats
+    served, body = _validated("chat")
+    jobs = completions.submit(_runtime(), served, body, stats, chat.encode_messages(served, body))
+    return _answer(chat.ChatFormat(served, f"chatcmpl-{stats.request_id}", body), jobs, body, stats)
 
 
 def _answer(fmt, jobs, body, stats):
@@ -196,10 +205,10 @@ def _answer(fmt, jobs, body, stats):
 
 @api.post("/predict", endpoint="predict")
 def _predict():
-    runtime, stats = _runtime(), g.stats
-    body = _validated("predict")
-    jobs = completions.submit(runtime, body, stats, completions.encode_prompts(runtime, body))
-    fmt = completions.TextFormat(runtime, body, f"cmpl-{stats.request_id}")
+    stats = g.stats
+    served, body = _validated("predict")
+    jobs = completions.submit(_runtime(), served, body, stats, completions.encode_prompts(served, body))
+    fmt = completions.TextFormat(served, body, f"cmpl-{stats.request_id}")
     done = completions.complete(fmt, jobs, stats, _client_gone())
     [choice] = done.choices
     return _json(
@@ -217,41 +226,41 @@ def _predict():
 def _tokenize():
     """vLLM's: a prompt (special tokens added unless add_special_tokens is false) or chat
     messages (rendered by the chat template, as /v1/chat/completions does)."""
-    runtime = _runtime()
-    body = _validated("tokenize")
+    served, body = _validated("tokenize")
     if body.messages is not None:
-        text, add_special = chat.render_messages(runtime, body.messages, body.add_generation_prompt), False
+        text, add_special = chat.render_messages(served, body.messages, body.add_generation_prompt), False
     else:
         text, add_special = body.prompt, True
     add_special = add_special if body.add_special_tokens is None else body.add_special_tokens
-    tok = runtime.engine.tokenizer
+    tok = served.engine.tokenizer
     ids = tok.encode(text, add_special_tokens=add_special).ids
     strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
     return _json(
-        Tokens(count=len(ids), max_model_len=runtime.limits.max_model_len, tokens=ids, token_strs=strs)
+        Tokens(count=len(ids), max_model_len=served.limits.max_model_len, tokens=ids, token_strs=strs)
     )
 
 
 @api.post("/detokenize", endpoint="detokenize")
 def _detokenize():
-    runtime = _runtime()
-    body = _validated("detokenize")
-    return _json(Detokenized(prompt=runtime.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)))
+    served, body = _validated("detokenize")
+    return _json(Detokenized(prompt=served.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)))
 
 
 @api.get("/v1/models", endpoint="models")
 def _models():
-    runtime = _runtime()
-    m = runtime.model
-    card = ModelCard(
-        id=m.name,
-        created=runtime.created,
-        max_model_len=runtime.limits.max_model_len,
-        version=m.version,
-        run_id=m.run_id,
-        source=m.source,
-    )
-    return _json(ModelList(data=[card]))
+    """Every model served, the champion first; `created` is when each version began serving."""
+    cards = [
+        ModelCard(
+            id=s.id,
+            created=s.created,
+            max_model_len=s.limits.max_model_len,
+            version=s.model.version,
+            run_id=s.model.run_id,
+            source=s.model.source,
+        )
+        for s in list(_runtime().served.values())
+    ]
+    return _json(ModelList(data=cards))
 
 
 # -- probes, metrics, the document ---------------------------------------------------------
@@ -282,6 +291,7 @@ def _ready():
 def _metrics():
     runtime = _runtime()
     text = generate_latest(current_app.extensions["lmops.http"].registry)
+    text += generate_latest(runtime.metrics.registry)
     if runtime.engine is not None:
         text += generate_latest(runtime.engine.metrics.registry)
     return Response(text, mimetype=CONTENT_TYPE_LATEST.split(";")[0], content_type=CONTENT_TYPE_LATEST)
@@ -292,17 +302,17 @@ def _render_completions():
     """vLLM's render: the token ids each prompt of a completion request becomes, what
     llm-d's token producer asks for (the precise prefix-cache scorer hashes them). On
     the probe port, which only the cluster reaches, the picker needs no API key."""
-    runtime = _ready_runtime()
-    body = _validated("completion")
-    rendered = [Rendered(token_ids=ids) for _, ids in completions.encode_prompts(runtime, body)]
+    _ready_runtime()
+    served, body = _validated("completion")
+    rendered = [Rendered(token_ids=ids) for _, ids in completions.encode_prompts(served, body)]
     return Response(json.dumps([r.model_dump() for r in rendered]), mimetype="application/json")
 
 
 @ops.post("/v1/chat/completions/render")
 def _render_chat():
     """vLLM's render of a chat request: its one prompt's token ids, as the chat template writes it."""
-    runtime = _ready_runtime()
-    [(_, ids)] = chat.encode_messages(runtime, _validated("chat"))
+    _ready_runtime()
+    [(_, ids)] = chat.encode_messages(*_validated("chat"))
     return _json(Rendered(token_ids=ids))
 
 

@@ -31,16 +31,16 @@ NO_TEMPLATE = (
 )
 
 
-def render_messages(runtime, messages, add_generation_prompt: bool, body=None) -> str:
+def render_messages(served, messages, add_generation_prompt: bool, body=None) -> str:
     """The prompt text the chat template makes of `messages` (and of a chat `body`'s tools);
     400 without a template or when the template rejects them."""
-    template = runtime.chat_template
+    template = served.chat_template
     if template is None:
         raise APIError(400, NO_TEMPLATE, code="chat_template_missing", param="messages")
     tool_list, preamble = tools.rendered_tools(body, template) if body is not None else (None, [])
     plain = preamble + [_plain(m, tool_list is not None) for m in messages]
     try:
-        return render(template, plain, runtime.special_tokens, add_generation_prompt, tool_list)
+        return render(template, plain, served.special_tokens, add_generation_prompt, tool_list)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), code="invalid_value", param="messages") from None
 
@@ -58,20 +58,20 @@ def _plain(m, template_has_tools: bool) -> dict:
     return out
 
 
-def encode_messages(runtime, body) -> list[tuple[str, list[int]]]:
+def encode_messages(served, body) -> list[tuple[str, list[int]]]:
     """The one prompt of a chat body, tokenized as transformers' apply_chat_template does
     (no special tokens added: the template writes them)."""
-    text = render_messages(runtime, body.messages, body.add_generation_prompt, body)
-    return [(text, runtime.engine.tokenizer.encode(text, add_special_tokens=False).ids)]
+    text = render_messages(served, body.messages, body.add_generation_prompt, body)
+    return [(text, served.engine.tokenizer.encode(text, add_special_tokens=False).ids)]
 
 
 class ChatFormat:
     """OpenAI's chat shapes: a message (or deltas, the first with the role) and
     `logprobs.content` per token with its UTF-8 bytes and top alternatives."""
 
-    def __init__(self, runtime, completion_id: str, body=None):
-        self.tok = runtime.engine.tokenizer
-        self.head = {"id": completion_id, "created": int(time.time()), "model": runtime.model.name}
+    def __init__(self, served, completion_id: str, body=None):
+        self.tok = served.engine.tokenizer
+        self.head = {"id": completion_id, "created": int(time.time()), "model": served.id}
         # With tools the output may be calls: a streamed choice holds its text back while
         # it may still become one (`held`, by index), and sends them whole when it finishes.
         self.calls = body is not None and tools.chosen(body) is not None

@@ -24,6 +24,7 @@ from lmops.runtime.engine import (
 from lmops.runtime.engine.grammar import GrammarError
 from production_service import structured
 from production_service.errors import APIError, error_body
+from production_service.model_source import CHAMPION
 from production_service.observability import RequestStats
 from production_service.schemas import (
     MAX_PROMPTS,
@@ -96,11 +97,11 @@ def _too_long(what: str, limits: Limits) -> APIError:
     )
 
 
-def encode_prompts(runtime, body) -> list[tuple[str, list[int]]]:
+def encode_prompts(served, body) -> list[tuple[str, list[int]]]:
     """(text, token ids) per prompt, tokenized as the engine does, left-truncated only
     when `truncate_prompt_tokens` asks for it. A text to truncate is tokenized from a
     tail twice as long as any prompt can be, so a huge one costs no more than a long one."""
-    tokenizer, limits, prompt = runtime.engine.tokenizer, runtime.limits, body.prompt
+    tokenizer, limits, prompt = served.engine.tokenizer, served.limits, body.prompt
     truncate = getattr(body, "truncate_prompt_tokens", None)
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         prompt = [prompt]
@@ -142,15 +143,21 @@ def queue_full() -> APIError:
     )
 
 
-def submit(runtime, body, stats: RequestStats, prompts: list[tuple[str, list[int]]]) -> list[Job]:
-    """Submit every (text, token ids) prompt, or none: a failure cancels what was already submitted."""
-    params = sampling_params(body, runtime.sampling_defaults)
+def submit(runtime, served, body, stats: RequestStats, prompts: list[tuple[str, list[int]]]) -> list[Job]:
+    """Submit every (text, token ids) prompt to the pinned model `served`, or none: a failure
+    cancels what was already submitted. A champion prompt the shadow picks is scored and
+    mirrored to the challenger."""
+    params = sampling_params(body, served.sampling_defaults)
     priority = getattr(body, "priority", None) or 0
+    shadow = runtime.shadow if served.role == CHAMPION else None
     jobs: list[Job] = []
     try:
         for text, ids in prompts:
-            jobs.append(Job(text, runtime.loop.submit(ids, params, priority=priority)))
+            mirrored = shadow is not None and shadow.pick()
+            jobs.append(Job(text, served.loop.submit(ids, params, priority=priority, score_prompt=mirrored)))
             stats.prompt_tokens += len(ids)
+            if mirrored:
+                shadow.mirror(jobs[-1])
     except QueueFullError:
         raise queue_full() from None
     except PromptTooLongError as exc:
@@ -225,10 +232,10 @@ class TextFormat:
     """OpenAI's legacy completions: text, `echo` (the prompt first, with its log-probs
     when `logprobs` is set: the first token's null), vLLM's `prompt_logprobs`."""
 
-    def __init__(self, runtime, body, completion_id: str):
-        self.tok, self.echo = runtime.engine.tokenizer, bool(getattr(body, "echo", False))
+    def __init__(self, served, body, completion_id: str):
+        self.tok, self.echo = served.engine.tokenizer, bool(getattr(body, "echo", False))
         self.prompt_logprobs = getattr(body, "prompt_logprobs", None) is not None
-        self.head = {"id": completion_id, "created": int(time.time()), "model": runtime.model.name}
+        self.head = {"id": completion_id, "created": int(time.time()), "model": served.id}
 
     def opens(self, piece: Piece) -> bool:
         return self.echo

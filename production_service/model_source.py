@@ -1,12 +1,14 @@
-"""Where the served model comes from: a local model directory, or the MLflow
-registry (`models:/lmops@champion`), downloaded into the model cache.
+"""Where a served model comes from: a local model directory, or the MLflow
+registry (`models:/lmops@champion`), downloaded into the model cache; and whether it
+moves (`Source`: an alias or an export's `.current` link does, a version number never).
 
 The cache (LMOPS_MODEL_CACHE) holds one directory per model version (`lmops-v3`; a URI
 with no registry version, `runs:/...`, by its hash). A restart that finds the version
 there loads it without downloading; a download lands in a hidden scratch directory and
 is renamed into place whole, so one killed midway leaves nothing that looks complete;
 after each resolution every other entry and scratch directory is removed (under a lock,
-so two processes sharing the cache do not prune each other's download).
+so two processes sharing the cache do not prune each other's download); the entries a
+process still serves (`keep`: the old champion during a swap, the challenger) stay.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmops.errors import LmopsError
-from lmops.runtime.model_dir import CONFIG_FILE, ModelMeta, current, download, read_meta, verify
+from lmops.runtime.model_dir import CONFIG_FILE, CURRENT, ModelMeta, current, download, read_meta, verify
 
 log = logging.getLogger(__name__)
 
+CHAMPION, CHALLENGER = "champion", "challenger"  # the roles a served model plays
 _REGISTRY_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 
 
@@ -46,18 +49,53 @@ class ModelInfo:
         return None if self.meta is None else self.meta.reference_bits_per_byte
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where one served model comes from: `model_uri` when set, else `model_dir`."""
+
+    role: str  # CHAMPION or CHALLENGER
+    model_dir: Path | None
+    model_uri: str | None = None
+
+    def __str__(self) -> str:
+        return self.model_uri or str(self.model_dir)
+
+    @property
+    def follows(self) -> bool:
+        """Whether a new version can appear: a registry alias, or an export (its `.current`
+        link); a version pinned by number, a run's URI or a plain directory never moves."""
+        if self.model_uri:
+            match = _REGISTRY_URI.match(self.model_uri)
+            return bool(match and match["alias"])
+        return (Path(self.model_dir) / CURRENT).is_symlink()
+
+    def locate(self) -> str:
+        """What the source names now, cheaply (no download): the alias's registry version,
+        or the version directory the export's link points at."""
+        if self.model_uri:
+            return str(_registry_facts(self.model_uri)["model_version"])
+        return os.readlink(Path(self.model_dir) / CURRENT)
+
+    def located(self, info: ModelInfo) -> str:
+        """What `locate` said when `info` was resolved."""
+        return str(info.version) if self.model_uri else info.path.name
+
+
 def default_model_cache() -> Path:
     """$HOME/.cache/lmops/models: in the image HOME is /tmp, the pod's emptyDir, which
     outlives container restarts."""
     return Path.home() / ".cache" / "lmops" / "models"
 
 
-def resolve_model(model_dir: Path, model_uri: str | None = None, cache: Path | None = None) -> ModelInfo:
+def resolve_model(
+    model_dir: Path, model_uri: str | None = None, cache: Path | None = None, keep: tuple[Path, ...] = ()
+) -> ModelInfo:
     """The local directory to load and what is known about it (registry facts win
     over lmops.json, which a plain HF Llama directory does not have). In an export,
-    the version its `.current` names: complete whatever step a promote was killed at."""
+    the version its `.current` names: complete whatever step a promote was killed at.
+    A download prunes the cache but for `keep`."""
     if model_uri:
-        path, registry = _cached_download(model_uri, cache or default_model_cache())
+        path, registry = _cached_download(model_uri, cache or default_model_cache(), keep)
         name = path.name
     else:
         path, registry, name = current(model_dir), {}, Path(model_dir).name
@@ -84,7 +122,7 @@ def resolve_model(model_dir: Path, model_uri: str | None = None, cache: Path | N
     )
 
 
-def _cached_download(uri: str, cache: Path) -> tuple[Path, dict]:
+def _cached_download(uri: str, cache: Path, keep: tuple[Path, ...]) -> tuple[Path, dict]:
     """The model `uri` names, from the cache or downloaded into it; the registry facts."""
     from mlflow.exceptions import MlflowException
 
@@ -119,7 +157,7 @@ def _cached_download(uri: str, cache: Path) -> tuple[Path, dict]:
                 shutil.rmtree(scratch, ignore_errors=True)
             log.info("resolved %s to %s (downloaded)", uri, entry)
         for other in cache.iterdir():
-            if other != entry and other.name != _LOCK:
+            if other != entry and other.name != _LOCK and other not in keep:
                 log.info("pruning %s from the model cache", other)
                 if other.is_dir():
                     shutil.rmtree(other, ignore_errors=True)

@@ -1,7 +1,8 @@
 """What the service records per request: `RequestStats`, filled as a request runs,
 becomes one JSON access-log line and the HTTP counts and latencies on /metrics,
 both written when the response is closed (for a stream: after its last event, or
-when the client went away)."""
+when the client went away). `ModelMetrics`: which versions serve, their swaps, and
+the shadow comparison."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from lmops.runtime.engine.metrics import BPB_BUCKETS
 
 access_log = logging.getLogger("lmops.access")
 
@@ -101,3 +104,52 @@ class HttpMetrics:
         if stats.disconnected:
             record["client_disconnected"] = True
         access_log.info(json.dumps(record))
+
+
+class ModelMetrics:
+    """The models behind the replica, by role (champion, challenger): on /metrics beside
+    the champion engine's own, whose registry a swap replaces."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.info = Gauge(
+            "lmops:model_info",
+            "The model serving each role (labels; value 1).",
+            ["role", "model", "version"],
+            registry=r,
+        )
+        self.swaps = Counter(
+            "lmops:model_swaps", "New versions swapped in without a restart.", ["role"], registry=r
+        )
+        self.refused = Counter(
+            "lmops:model_swaps_refused",
+            "New versions refused (failed verification, loading or warm-up); the old one kept serving.",
+            ["role"],
+            registry=r,
+        )
+        self.poll_errors = Counter(
+            "lmops:model_poll_errors", "Failed looks for a new version (registry down).", ["role"], registry=r
+        )
+        self.shadow_bpb = Histogram(
+            "lmops:shadow_prompt_bits_per_byte",
+            "Bits per byte of the prompts mirrored to the challenger, scored by both models "
+            "(each with its own tokenizer), by role.",
+            ["role"],
+            buckets=BPB_BUCKETS,
+            registry=r,
+        )
+        self.shadow_dropped = Counter(
+            "lmops:shadow_prompts_dropped",
+            "Prompts picked for mirroring that the challenger did not score (its queue full, too long).",
+            registry=r,
+        )
+        self._labels: dict[str, tuple[str, str, str]] = {}
+
+    def serving(self, role: str, model: str, version: str | None) -> None:
+        """`role` is now served by `model` at `version`; its previous series goes."""
+        if role in self._labels:
+            self.info.remove(*self._labels[role])
+        self._labels[role] = (role, model, version or "none")
+        self.info.labels(*self._labels[role]).set(1)
+        for counter in (self.swaps, self.refused, self.poll_errors):
+            counter.labels(role)  # at 0 from the start, so the first increase is seen

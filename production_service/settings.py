@@ -42,6 +42,17 @@ class ServiceConfig(BaseSettings):
     model_uri: str | None = None  # e.g. models:/lmops@champion; wins over model_dir
     # Where model_uri downloads are kept, one directory per model version (model_source.py).
     model_cache: Path = Field(default_factory=default_model_cache)
+    # How often a replica looks for a new version of a model that can move (a registry
+    # alias, an export's `.current` link) and swaps it in without a restart (follow.py);
+    # 0 = never: the model loaded at start is served until the process ends.
+    model_poll_s: float = Field(5.0, ge=0)
+    # An optional second model in the same process, addressable as `<name>@challenger`:
+    # a registry URI (e.g. models:/lmops@challenger; wins) or a model directory.
+    challenger_uri: str | None = None
+    challenger_dir: Path | None = None
+    # The share of the champion's prompts mirrored to the challenger, both scoring them in
+    # bits/byte (lmops:shadow_prompt_bits_per_byte); the mirror's answers are discarded.
+    shadow_share: float = Field(0.0, ge=0, le=1)
     api_key: str | None = None
     threads: int | None = Field(None, ge=1)  # None: enough for every running and queued request
     timeout: int = Field(120, ge=1)
@@ -74,6 +85,15 @@ class ServiceConfig(BaseSettings):
             engine.update({k: data.pop(k) for k in _ENGINE_FIELDS if k in data})
             data["engine"] = engine
         return data
+
+    @model_validator(mode="after")
+    def _shadow_needs_a_challenger(self) -> ServiceConfig:
+        if self.shadow_share > 0 and not (self.challenger_uri or self.challenger_dir):
+            raise ValueError(
+                "shadow_share mirrors prompts to the challenger: set LMOPS_CHALLENGER_URI or "
+                "LMOPS_CHALLENGER_DIR, or leave LMOPS_SHADOW_SHARE at 0"
+            )
+        return self
 
     @field_validator("api_key")
     @classmethod
@@ -164,7 +184,8 @@ def _env_name(loc: tuple, message: str) -> str:
         # an EngineConfig.__post_init__ error names the field first in its message
         name = loc[1] if len(loc) > 1 else message.split(" ")[0]
         return ENV_PREFIX + str(name).upper()
-    if not loc:
+    # a field's name or its alias (HOST, PORT); a model validator's error names the field first
+    name = str(loc[0]) if loc else message.split(" ")[0]
+    if not loc and name not in ServiceConfig.model_fields:
         return "settings"
-    name = str(loc[0])  # a field's name, or its alias (HOST, PORT)
     return ENV_PREFIX + name.upper() if name in ServiceConfig.model_fields else name

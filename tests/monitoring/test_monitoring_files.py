@@ -82,11 +82,15 @@ def test_malformed_rules_are_reported_with_file_and_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> set[str]:
-    """The sample names a real /metrics exposes after some traffic, with a reference model."""
+    """The sample names a real /metrics exposes after some traffic, with a reference model
+    and a challenger shadowing it."""
     model = make_tiny_model_dir(
         tmp_path_factory.mktemp("model"), meta={"metrics": {"test_bits_per_byte": 3.0}}
     )
-    app = create_app(ServiceConfig(model_dir=model, device="cpu", drift_sample=1.0))
+    config = ServiceConfig(
+        model_dir=model, challenger_dir=model, shadow_share=1.0, device="cpu", drift_sample=1.0
+    )
+    app = create_app(config)
     runtime = app.extensions["lmops"]
     assert runtime.wait_ready(60), runtime.error
     client = app.test_client()
@@ -111,6 +115,10 @@ def test_rules_and_dashboard_read_only_exported_metrics(exported):
     for want in ("Errors by status", "Queue and running", "KV cache usage", "Prefix cache hit rate"):
         assert want in panels
     assert "Drift: prompt bits per byte vs reference" in panels
+    assert {
+        "Shadow: challenger vs champion bits per byte on live prompts",
+        "Served versions and swaps",
+    } <= panels
 
 
 def test_metric_names_reads_only_metrics():

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from lmops.errors import LmopsError
+from lmops.pipeline.scratch_registry import local_registry
 from production_service.model_source import resolve_model
 
 
@@ -29,20 +30,10 @@ def test_local_directory_with_partial_metadata(model_dir, tmp_path):
 @pytest.fixture
 def registry(model_dir, tmp_path, monkeypatch) -> str:
     """A local sqlite MLflow registry whose lmops@champion holds `model_dir`; its run id."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-    import mlflow
-
-    client = mlflow.MlflowClient()
-    experiment = client.create_experiment("service", artifact_location=str(tmp_path / "artifacts"))
-    run = client.create_run(experiment)
-    # the layout the pipeline's pyfunc has: the model directory under artifacts/model_dir
-    client.log_artifacts(run.info.run_id, str(model_dir), "model/artifacts/model_dir")
-    client.set_terminated(run.info.run_id)
-    client.create_registered_model("lmops")
-    version = client.create_model_version("lmops", f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
-    client.set_registered_model_alias("lmops", "champion", version.version)
-    return run.info.run_id
+    registry = local_registry(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.uri)
+    return registry.register(model_dir, "champion").run_id
 
 
 def test_registry_alias_resolves_to_the_model_directory(registry, tmp_path):

@@ -77,6 +77,22 @@ def test_sample_rate(model_dir, prompts):
     assert EngineConfig().drift_sample == 0.1
 
 
+def test_a_request_may_ask_for_its_score_whatever_the_sample(model_dir, ref_model, tokenizer, prompts):
+    """The service's shadow mode scores the prompts it mirrors on both models."""
+    off = LLMEngine.from_pretrained(model_dir, device="cpu", drift_sample=0)
+    asked = off.make_request(None, prompts[0], ONE, score_prompt=True)
+    asked.final_only = True
+    off.add_request(None, asked)
+    off.add_request("plain", prompts[1], ONE)
+    outs = {}
+    while off.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in off.step() if o.finished)
+    assert outs[asked.request_id].metrics.prompt_bits_per_byte == pytest.approx(
+        reference_bpb(ref_model, tokenizer, prompts[0]), rel=1e-4
+    )
+    assert outs["plain"].metrics.prompt_bits_per_byte is None
+
+
 @pytest.mark.parametrize("bad", [-0.1, 1.5, "0.1", True, float("nan")])
 def test_drift_sample_is_validated(bad):
     with pytest.raises(ValueError, match="drift_sample"):

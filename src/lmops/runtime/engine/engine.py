@@ -52,6 +52,20 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes a new allocation may still take on `device`: CUDA's free memory; on CPU the
+    host's free pages, or what the container's cgroup limit leaves when that is less."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return free
+    return free if limit == "max" else min(free, int(limit) - used)
+
+
 class PromptTooLongError(ValueError):
     """The prompt leaves no room for a generated token within the model's context."""
 
@@ -73,8 +87,9 @@ class LLMEngine:
         eos_token_ids: list[int] | None = None,
         kv_events: ZmqEventPublisher | None = None,
     ):
-        """`kv_events`: a publisher to reuse (a new model on the same endpoints); by default
-        the engine opens its own when `engine_config.kv_events_config` enables events."""
+        """`kv_events`: a publisher to share (its caller closes it: the service's, which
+        successive versions publish through); by default the engine opens its own when
+        `engine_config.kv_events_config` enables events."""
         cfg = model.config
         self.engine_config = engine_config = engine_config or EngineConfig()
         model = quantize(model, engine_config.quantization)  # in place, before the runner fuses weights
@@ -92,6 +107,7 @@ class LLMEngine:
         # that write into one extra block, which the block manager never hands out.
         compile_up_to = self.max_num_seqs if engine_config.compile and self.device.type == "cpu" else 0
         self.pool = KVPool(cfg, num_blocks + bool(compile_up_to), self.block_size, self.device, self.dtype)
+        self._owns_kv_events = kv_events is None
         self.kv_events = (
             kv_events if kv_events is not None else make_publisher(engine_config.kv_events_config)
         )
@@ -115,7 +131,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # Drift sampling is systematic (every 1/drift_sample-th request), so runs are reproducible.
         self._drift_credit = 0.0
-        self._token_bytes = token_byte_lengths(tokenizer) if engine_config.drift_sample > 0 else None
+        self._token_bytes = token_byte_lengths(tokenizer)  # bits/byte's denominator
         self._grammars: GrammarCompiler | None = None  # made by the first structured request
         self._grammars_lock = threading.Lock()
         log.info(
@@ -139,8 +155,9 @@ class LLMEngine:
         """Load a model directory (config.json, model.safetensors, tokenizer.json, and
         generation_config.json for extra EOS ids when present) with `engine_config`, any of
         whose fields `overrides` replace (`from_pretrained(d, device="cpu", block_size=8)`).
-        `kv_events`: the publisher of the engine this one replaces (a new model served on
-        the same event endpoints; its first batch clears what the old one announced)."""
+        `kv_events`: a publisher to share, e.g. the one the engine this one replaces uses (a
+        new model served on the same event endpoints; its first batch clears what the old
+        one announced)."""
         try:
             ec = replace(engine_config or EngineConfig(), **overrides)
         except (TypeError, ValueError) as exc:
@@ -181,10 +198,8 @@ class LLMEngine:
             # Room for max_num_seqs full-length sequences, twice over (the spare blocks keep
             # prefixes cached), within a share of the memory that is actually free.
             want = 2 * self.max_num_seqs * min_blocks * per_block
-            if self.device.type == "cuda":
-                cap = int(0.8 * torch.cuda.mem_get_info(self.device)[0])
-            else:
-                cap = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+            share = 0.8 if self.device.type == "cuda" else 0.25
+            cap = int(share * free_memory(self.device))
             kv_cache_memory = max(min(want, cap), min_blocks * per_block)
         num_blocks = int(kv_cache_memory) // per_block
         if num_blocks < min_blocks:
@@ -195,6 +210,12 @@ class LLMEngine:
             )
         return num_blocks
 
+    @property
+    def memory_bytes(self) -> int:
+        """What this engine holds on its device: the weights and the KV cache."""
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        return weights + self.pool.nbytes
+
     # -- requests ----------------------------------------------------------------------
 
     def make_request(
@@ -203,9 +224,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         priority: int = 0,
+        score_prompt: bool = False,
     ) -> Request:
         """Validate and tokenize (touches no engine state, so any thread may call it).
-        `priority` as vLLM's: lower runs first, only under the "priority" policy."""
+        `priority` as vLLM's: lower runs first, only under the "priority" policy; with
+        `score_prompt`, the prompt's bits/byte is measured whatever the drift sample says."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -245,7 +268,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         spec = params.structured_outputs
         grammar = None if spec is None else self.grammars.matcher(spec)  # GrammarError: a ValueError
-        return Request(str(rid), text, ids, params, max_tokens, now(), grammar, priority)
+        return Request(str(rid), text, ids, params, max_tokens, now(), grammar, priority, score_prompt)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -279,9 +302,11 @@ class LLMEngine:
             self.metrics.on_structured_request(req.params.structured_outputs.kind)
         seq.pending_forks = req.params.n - 1
         self._drift_credit += self.engine_config.drift_sample
-        if self._drift_credit >= 1:
+        sampled = self._drift_credit >= 1
+        if sampled:
             self._drift_credit -= 1
-            seq.score_prompt = len(req.prompt_token_ids) > 1  # a 1-token prompt predicts nothing
+        # a 1-token prompt predicts nothing
+        seq.score_prompt = (sampled or req.score_prompt) and len(req.prompt_token_ids) > 1
         req.seqs.append(seq)
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
@@ -334,9 +359,20 @@ class LLMEngine:
         return outputs
 
     def _publish_events(self) -> None:
-        """The KV-cache events since the last batch, as one batch (nothing when none)."""
-        if self.kv_events is not None and self.block_manager.events:
-            self.kv_events.publish(self.block_manager.take_events())
+        """The KV-cache events since the last batch, as one batch (nothing when none); after
+        `stop_publishing`, dropped."""
+        if not self.block_manager.events:
+            return
+        publisher = self.kv_events  # read once: `stop_publishing` may run on another thread
+        events = self.block_manager.take_events()
+        if publisher is not None:
+            publisher.publish(events)
+
+    def stop_publishing(self) -> None:
+        """No more KV-cache events from this engine, from any thread: the service calls it
+        when a new version takes over the sockets, so a router never hears of the old
+        version's blocks again."""
+        self.kv_events = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block and announce it (AllBlocksCleared); False while
@@ -346,11 +382,12 @@ class LLMEngine:
         return done
 
     def close(self) -> None:
-        """Close the KV-events sockets this engine opened (the engine serves on without them)."""
-        if self.kv_events is not None:
-            self.kv_events.close()
-            self.kv_events = None
-            self.block_manager.events = None
+        """Stop the KV-cache events (the engine serves on without them), closing the sockets
+        if this engine opened them."""
+        publisher, self.kv_events = self.kv_events, None
+        self.block_manager.events = None
+        if publisher is not None and self._owns_kv_events:
+            publisher.close()
 
     def _sample(self, batch: ScheduledBatch, output: RunnerOutput) -> SampleResult | None:
         """A token for each of `batch.samples`, from its row of the logits: the argmax the

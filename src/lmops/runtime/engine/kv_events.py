@@ -16,8 +16,9 @@ and the engine publishes each step's events as one `EventBatch`, as vLLM does:
   a PUB socket drops what it sends before a new subscription reaches it) can catch up.
   The frames are those llm-d's replay reader (a DEALER socket) takes.
 
-The PUB socket is used by the engine's thread alone (the engine has one owner); a
-thread of this module owns the ROUTER socket and reads the replay buffer under a lock.
+The PUB socket is used under a lock (a service swapping versions has two engines
+publishing through it for a moment); a thread of this module owns the ROUTER socket and
+reads the replay buffer under the same lock.
 Sockets bind at construction, so a bad endpoint fails the engine's start, not a step.
 """
 
@@ -119,14 +120,15 @@ class ZmqEventPublisher:
         )
 
     def publish(self, events: list[KVCacheEvent]) -> None:
-        """Send one batch (the engine's thread only) and keep it for replay."""
+        """Send one batch and keep it for replay; from any thread (during a swap two engines
+        share the sockets), one at a time."""
         payload = self._encoder.encode(EventBatch(ts=time.time(), events=events, data_parallel_rank=0))
-        seq = self._seq
-        self._seq += 1
         with self._lock:
+            seq = self._seq
+            self._seq += 1
             self._buffer.append((seq, payload))
-        # A PUB socket never blocks: past a subscriber's hwm it drops (replay still has it).
-        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+            # A PUB socket never blocks: past a subscriber's hwm it drops (replay still has it).
+            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
 
     def _serve_replays(self) -> None:
         while not self._stop.is_set():

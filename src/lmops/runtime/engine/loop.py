@@ -104,8 +104,11 @@ class EngineLoop:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        score_prompt: bool = False,
     ) -> RequestStream:
-        req = self.engine.make_request(request_id, prompt, params, priority)  # raises ValueError here
+        req = self.engine.make_request(
+            request_id, prompt, params, priority, score_prompt
+        )  # raises ValueError here
         with self._cv:
             if not self._accepting:
                 raise RuntimeError("shutting down")

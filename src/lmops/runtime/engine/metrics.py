@@ -33,7 +33,7 @@ _LATENCY_BUCKETS = (
 
 # Prompt bits per byte: ~12% apart from 0.5 to 16, so a median read by histogram_quantile
 # (linear within a bucket) is good to a few percent anywhere a model's reference may lie.
-_BPB_BUCKETS = tuple(round(0.5 * 1.125**k, 3) for k in range(30))
+BPB_BUCKETS = tuple(round(0.5 * 1.125**k, 3) for k in range(30))
 
 
 # Per-priority series: the first this many distinct request priorities get a label of their
@@ -147,7 +147,7 @@ class EngineMetrics:
         self.prompt_bpb = Histogram(
             "lmops:prompt_bits_per_byte",
             "Model cross-entropy of sampled prompts in bits per byte (the drift signal).",
-            buckets=_BPB_BUCKETS,
+            buckets=BPB_BUCKETS,
             registry=r,
         )
         self.structured_requests = Counter(

@@ -270,8 +270,12 @@ class Request:
         arrival_time: float,
         grammar: llguidance.LLMatcher | None = None,
         priority: int = 0,
+        score_prompt: bool = False,
     ):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        # The prompt's bits/byte wanted whatever the drift sample says (the service's shadow
+        # comparison scores the same prompts on two models).
+        self.score_prompt = score_prompt
         self.params, self.max_tokens = params, max_tokens
         self.priority = priority  # vLLM's: lower runs first (the "priority" scheduling policy)
         self.grammar = grammar  # the first sequence's; its siblings copy it when they fork
