@@ -45,6 +45,7 @@ CUSTOM_SCHEMAS = {
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool.json",
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute.json",
     ("llm-d.ai/v1alpha1", "EndpointPickerConfig"): "endpointpickerconfig.json",
+    ("llm-d.ai/v1alpha2", "InferenceObjective"): "inferenceobjective.json",
 }
 # A KServe predictor is a PodSpec plus these fields (checked by inferenceservice.json).
 KSERVE_PREDICTOR_FIELDS = {

@@ -43,6 +43,9 @@ from production_service.settings import ServiceConfig
 
 _REQUEST_ID = re.compile(r"[\w.:/+=@-]{1,128}")
 MODEL_VERSION_HEADER = "X-Model-Version"  # the registry version of the model that answered
+# The priority of the InferenceObjective a request came through, which the gateway's
+# route sets (deploy/gateway/httproute.yaml): the objective's sense, higher first.
+OBJECTIVE_PRIORITY_HEADER = "X-Lmops-Objective-Priority"
 
 api = Blueprint("api", __name__)
 ops = Blueprint("ops", __name__)
@@ -173,7 +176,32 @@ def _validated(endpoint: str):
     request_model = getattr(request_models(served.limits), endpoint)
     structured.reject_guided(body)
     check_fields(request_model, body)
-    return served, validate(request_model, body)
+    return served, _with_objective_priority(validate(request_model, body), served.limits)
+
+
+def _with_objective_priority(body, limits):
+    """The gateway's objective priority as the request's, in vLLM's sense (lower runs
+    first: the negation); it wins over a `priority` in the body, which the client chose."""
+    value = request.headers.get(OBJECTIVE_PRIORITY_HEADER)
+    if value is None or not hasattr(body, "priority"):
+        return body
+    try:
+        objective = int(value)
+    except ValueError:
+        objective = None
+    if objective is None or not -(2**31) <= objective < 2**31:
+        raise APIError(
+            400,
+            f"{OBJECTIVE_PRIORITY_HEADER} must be an InferenceObjective's priority (a 32-bit integer), got {value!r}.",
+            code="invalid_value",
+        )
+    if objective != 0 and not limits.priority_scheduling:
+        raise APIError(
+            400,
+            f"{OBJECTIVE_PRIORITY_HEADER} {objective} needs priority scheduling (LMOPS_SCHEDULING_POLICY=priority).",
+            code="invalid_value",
+        )
+    return body.model_copy(update={"priority": -objective})
 
 
 @api.post("/v1/completions", endpoint="completions")

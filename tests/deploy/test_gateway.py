@@ -14,11 +14,13 @@ import yaml
 
 from lmops.runtime.engine.config import EngineConfig
 from lmops.runtime.engine.kv_events import binds
+from production_service.app import OBJECTIVE_PRIORITY_HEADER
 from tests.deploy.conftest import REPO
 from tests.deploy.test_canary import render as render_text
 from tests.deploy.test_kubernetes import validate
 
 GATEWAY_OVERLAYS = ["aks/gateway", "eks/gateway"]
+OBJECTIVE_HEADER = "x-llm-d-inference-objective"  # llm-d-router's (pkg/epp/metadata/consts.go)
 # llm-d-router v0.10.0 exits when any of these is set (pkg/epp/server/options.go).
 DEPRECATED_METRIC_FLAGS = (
     "--total-queued-requests-metric",
@@ -59,16 +61,22 @@ def test_gateway_overlay_is_valid_and_the_plain_one_plus_the_gateway(rendered, k
         "Deployment",
         "Service",
         "NetworkPolicy",
+        "InferenceObjective",
     }
     assert set(plain) <= set(gateway)
     assert all(d["metadata"]["namespace"] == "lmops" for key, d in gateway.items() if key[0] != "Namespace")
     for key in set(plain) - {("Deployment", "lmops"), ("Service", "lmops")}:
         assert gateway[key] == plain[key]
-    # Behind the gateway the Service is internal; the pods only gain the engine label.
+    # Behind the gateway the Service is internal; the pods only gain the engine label and
+    # priority scheduling.
     assert gateway["Service", "lmops"]["spec"]["type"] == "ClusterIP"
     pods = gateway["Deployment", "lmops"]["spec"]["template"]
     plain_pods = plain["Deployment", "lmops"]["spec"]["template"]
-    assert pods["spec"] == plain_pods["spec"]
+    (server,), (plain_server,) = pods["spec"]["containers"], plain_pods["spec"]["containers"]
+    policy = {"name": "LMOPS_SCHEDULING_POLICY", "value": "priority"}
+    assert server["env"] == [policy, *plain_server["env"]]
+    assert {**server, "env": plain_server["env"]} == plain_server
+    assert {**pods["spec"], "containers": plain_pods["spec"]["containers"]} == plain_pods["spec"]
     assert pods["metadata"]["labels"] == {**plain_pods["metadata"]["labels"], "llm-d.ai/engine-type": "lmops"}
 
 
@@ -95,12 +103,14 @@ def test_pool_route_and_picker_are_wired_together(rendered):
     assert re.fullmatch(
         r"ghcr\.io/llm-d/llm-d-router-endpoint-picker:v0\.10\.0@sha256:[0-9a-f]{64}", epp["image"]
     )
-    # Completions and chat go through the pool; the rest straight to the Service.
-    pooled, rest = route["rules"]
-    assert {m["path"]["value"] for m in pooled["matches"]} == {"/v1/completions", "/v1/chat/completions"}
-    assert pooled["backendRefs"] == [
-        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "lmops"}
-    ]
+    # Completions and chat go through the pool (a rule per objective, and one without);
+    # the rest straight to the Service.
+    *pooled, rest = route["rules"]
+    for rule in pooled:
+        assert {m["path"]["value"] for m in rule["matches"]} == {"/v1/completions", "/v1/chat/completions"}
+        assert rule["backendRefs"] == [
+            {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "lmops"}
+        ]
     assert rest["backendRefs"] == [{"name": "lmops", "port": 5001}]
     # The picker watches this pool, reads the mounted config, and no deprecated flag.
     args = dict(a.removeprefix("--").split("=", 1) for a in epp["args"])
@@ -130,6 +140,39 @@ def test_pool_route_and_picker_are_wired_together(rendered):
         "max-score-picker": None,
     }
     assert plugins["approx-prefix-cache-producer"] == {"autoTune": True}  # sized by cache_config_info
+
+
+def test_each_objective_hands_its_priority_to_the_replicas(rendered):
+    """objectives.yaml is the one definition: for each InferenceObjective of the pool, a
+    route rule on its x-llm-d-inference-objective sets its priority in the header the
+    service reads (the picker strips the objective's own); the rule without an objective
+    removes the header, so a client cannot claim a priority it was not given."""
+    docs = named(rendered["aks/gateway"])
+    objectives = {
+        name: d["spec"]["priority"]
+        for (kind, name), d in docs.items()
+        if kind == "InferenceObjective" and d["spec"]["poolRef"]["name"] == "lmops"
+    }
+    assert objectives and any(p < 0 for p in objectives.values())  # one sheddable
+    *pooled, _ = docs["HTTPRoute", "lmops"]["spec"]["rules"]
+    handed, default = {}, None
+    for rule in pooled:
+        names = {
+            h["value"] for m in rule["matches"] for h in m.get("headers", ()) if h["name"] == OBJECTIVE_HEADER
+        }
+        assert all(len(m.get("headers", ())) == len(names) for m in rule["matches"])  # every path, or none
+        (modifier,) = [
+            f["requestHeaderModifier"] for f in rule["filters"] if f["type"] == "RequestHeaderModifier"
+        ]
+        if not names:
+            assert default is None and modifier == {"remove": [OBJECTIVE_PRIORITY_HEADER]}
+            default = rule
+            continue
+        (name,) = names
+        (header,) = modifier["set"]
+        assert header["name"] == OBJECTIVE_PRIORITY_HEADER and name not in handed
+        handed[name] = int(header["value"])
+    assert handed == objectives and default is pooled[-1]  # more specific rules first, as read
 
 
 def test_network_policies_let_the_picker_scrape_and_the_gateway_reach_it(rendered):

@@ -6,11 +6,15 @@ at start in one line."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import time
 
 import pytest
 import requests
 
+from production_service.app import OBJECTIVE_PRIORITY_HEADER
 from tests.conftest import free_port
 from tests.service.conftest import start_server
 from tests.unit.engine.kv_subscriber import BlockStored, Subscriber
@@ -69,6 +73,76 @@ def test_priority_reaches_the_engine_and_its_metrics(replica):
     assert r.status_code == 200, r.text
     metrics = requests.get(f"{server.probe_url}/metrics", timeout=10).text
     assert 'lmops:request_queue_time_by_priority_seconds_count{priority="-7"} 1.0' in metrics
+
+
+def test_the_gateway_objective_priority_orders_the_request(replica):
+    """The header the route sets per InferenceObjective (higher first) becomes the engine's
+    priority (lower first), over the body's; a header that is not an int32 is a 400."""
+    server, _ = replica
+    body = {"prompt": "def add(a, b):", "max_tokens": 2, "priority": 3}
+    r = requests.post(
+        f"{server.url}/v1/completions", json=body, headers={OBJECTIVE_PRIORITY_HEADER: "10"}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = requests.post(
+        f"{server.url}/v1/chat/completions", json=chat, headers={OBJECTIVE_PRIORITY_HEADER: "-1"}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    metrics = requests.get(f"{server.probe_url}/metrics", timeout=10).text
+    assert 'lmops:request_queue_time_by_priority_seconds_count{priority="-10"} 1.0' in metrics
+    assert 'lmops:request_queue_time_by_priority_seconds_count{priority="1"} 1.0' in metrics
+    assert 'priority="3"}' not in metrics
+    for bad in ("high", str(2**31)):
+        r = requests.post(
+            f"{server.url}/v1/completions", json=body, headers={OBJECTIVE_PRIORITY_HEADER: bad}, timeout=30
+        )
+        assert r.status_code == 400 and OBJECTIVE_PRIORITY_HEADER in r.json()["error"]["message"], r.text
+
+
+def test_a_respawned_worker_publishes_on_the_same_endpoints(model_dir, tmp_path):
+    """gunicorn replaces a worker that died: the new one binds the replay endpoint again
+    and publishes from seq 0, starting with AllBlocksCleared (its cache is new), as a
+    restarted vLLM does."""
+    port, replay = free_port(), free_port()
+    endpoints = (f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")
+    events = {"enable_kv_cache_events": True, "endpoint": endpoints[0], "replay_endpoint": endpoints[1]}
+    server = start_server(model_dir, tmp_path / "server.log", LMOPS_KV_EVENTS_CONFIG=json.dumps(events))
+    try:
+        assert_publishes(server, endpoints)
+        dead = server.worker_pid
+        os.kill(dead, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not respawned(server, dead):
+            assert time.monotonic() < deadline, "no ready worker within 60 s"
+            time.sleep(0.2)
+        assert_publishes(server, endpoints)
+        assert not [line for line in server.log_lines() if "cannot bind" in line or "Traceback" in line]
+    finally:
+        server.stop()
+
+
+def assert_publishes(server, endpoints: tuple[str, str]) -> None:
+    """A new subscriber hears a served prompt's blocks, after a cache's first AllBlocksCleared."""
+    sub = Subscriber(*endpoints)
+    try:
+        r = requests.post(
+            f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        sub.poll(lambda s: any(isinstance(e, BlockStored) for e in s.events()))
+        assert type(sub.events()[0]).__name__ == "AllBlocksCleared"
+    finally:
+        sub.close()
+
+
+def respawned(server, dead: int) -> bool:
+    """Another worker than `dead`, ready."""
+    try:
+        ready = requests.get(f"{server.probe_url}/ready", timeout=2).status_code == 200
+        return server.worker_pid != dead and ready
+    except (requests.RequestException, ValueError):  # between workers: no child, or no answer
+        return False
 
 
 def test_an_unknown_events_key_stops_the_start_in_one_line(model_dir, tmp_path):
@@ -134,6 +208,9 @@ def test_under_fcfs_the_document_and_the_api_allow_priority_0_only(client):
     assert (field["minimum"], field["maximum"]) == (0, 0)
     r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": 3})
     assert r.status_code == 400 and r.get_json()["error"]["param"] == "priority"
+    headers = {OBJECTIVE_PRIORITY_HEADER: "10"}
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers=headers)
+    assert r.status_code == 400 and "LMOPS_SCHEDULING_POLICY=priority" in r.get_json()["error"]["message"]
     assert (
         client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": 0}).status_code
         == 200
