@@ -332,7 +332,7 @@ class Runtime:
             old.users,
         )
         threading.Thread(
-            target=_retire, args=(old, self.config.timeout), name="lmops-retire", daemon=True
+            target=_retire, args=([old], self.config.timeout), name="lmops-retire", daemon=True
         ).start()
         return True
 
@@ -362,7 +362,10 @@ class _LoadError(LmopsError):
         self.source = source
 
 
-def _retire(served: Served, timeout: float) -> None:
+def _retire(retiring: list[Served], timeout: float) -> None:
+    """`retiring` holds the one reference the thread has (a Thread keeps its args until its
+    target returns, which would keep the engine alive past the collection below)."""
+    served = retiring.pop()
     served.retire(timeout)
     del served
     gc.collect()  # the engine's tensors, now unreferenced, go back to the allocator

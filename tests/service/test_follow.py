@@ -11,8 +11,10 @@ import re
 import shutil
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -20,10 +22,11 @@ import requests
 from lmops.errors import LmopsError
 from lmops.pipeline.scratch_registry import local_registry
 from lmops.runtime.model_dir import WEIGHTS_FILE, export
+from production_service import runtime as runtime_module
 from production_service.model_source import CHAMPION, Source
 from production_service.settings import ServiceConfig
 from tests.conftest import free_port, make_tiny_model_dir
-from tests.service.conftest import make_model_dir, start_server
+from tests.service.conftest import load_app, make_model_dir, start_server
 from tests.unit.engine.kv_subscriber import BlockStored, Subscriber
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -275,6 +278,27 @@ def test_a_swap_hands_the_kv_events_to_the_new_version(model_dir, tmp_path):
     finally:
         server.stop()
         sub.close()
+
+
+def test_a_retired_version_is_freed_before_the_heap_is_trimmed(model_dir, tmp_path, monkeypatch):
+    """After a swap nothing keeps the old engine (the retiring thread's own arguments
+    included), so the trim that follows hands its memory back to the system."""
+    target = tmp_path / "export"
+    export(model_dir, target, model_name="lmops", model_version=1)
+    runtime = load_app(model_dir=target, device="cpu", model_poll_s=0).extensions["lmops"]  # swapped by hand
+    try:
+        old = weakref.ref(runtime.champion.engine)
+        trims = []
+        monkeypatch.setattr(
+            runtime_module, "_LIBC", SimpleNamespace(malloc_trim=lambda _: trims.append(old()))
+        )
+        export(model_dir, target, model_name="lmops", model_version=2)
+        assert runtime.swap(runtime.sources[CHAMPION], "2")
+        assert runtime.champion.model.version == "2"
+        wait_for(lambda: trims, 30, "version 1 retired")
+        assert trims == [None]
+    finally:
+        runtime.shutdown(5)
 
 
 def test_what_moves_is_followed_and_a_version_number_never_moves(model_dir, tmp_path):
