@@ -1,5 +1,5 @@
-"""A real Prometheus scraping a real gunicorn service: the recording rules and every dashboard
-query return data, and the drift alert stays silent for held-out text, then goes pending
+"""A real Prometheus scraping a real gunicorn service (a champion and a shadowing challenger):
+the recording rules and every dashboard query return data, and the drift alert stays silent for held-out text, then goes pending
 when the prompts turn into another kind of text."""
 
 from __future__ import annotations
@@ -29,7 +29,14 @@ def drift_alerts(prom) -> list[dict]:
 def test_rules_dashboard_and_drift_alert_on_a_real_prometheus(prometheus, trained_model, tmp_path):
     from tokenizers import Tokenizer
 
-    server = start_server(trained_model.path, tmp_path / "server.log", LMOPS_DRIFT_SAMPLE="1")
+    # The model is its own challenger, shadowing every prompt: the shadow rules and panels have data.
+    server = start_server(
+        trained_model.path,
+        tmp_path / "server.log",
+        LMOPS_DRIFT_SAMPLE="1",
+        LMOPS_CHALLENGER_DIR=str(trained_model.path),
+        LMOPS_SHADOW_SHARE="1",
+    )
     try:
         prom = prometheus([server.probe_url.removeprefix("http://")])  # as deployed: the probe port
         prom.targets_up()
