@@ -48,14 +48,16 @@ from load import RESULTS, Tally, build_random_model, http_client, ms, pct, promp
 from lmops.pipeline.scratch_registry import local_registry  # noqa: E402
 from production_service.settings import ServiceConfig  # noqa: E402
 
-SWAPS = 'lmops:model_swaps_total{role="champion"}'
+SWAPS = "lmops:model_swaps_total"
 
 
-def scrape(url: str, name: str) -> float:
-    """One sample of the server's /metrics (0 when absent)."""
+def scrape(url: str, name: str, role: str | None = None) -> float:
+    """The sum of the server's `name` samples (with `role`, only that role's; 0 when absent)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        match = re.search(rf"^{re.escape(name)} (\S+)$", r.read().decode(), re.M)
-    return float(match.group(1)) if match else 0.0
+        text = r.read().decode()
+    labels = r"\{[^}]*\}" if role is None else rf'\{{(?:[^}}]*,)?role="{role}"[^}}]*\}}'
+    pattern = rf"^{re.escape(name)}(?:{labels})? (\S+)$"
+    return sum(float(value) for value in re.findall(pattern, text, re.M))
 
 
 def worker_rss_mib(master_pid: int) -> float:
@@ -69,7 +71,7 @@ class Follower:
 
     def __init__(self, registry, url: str):
         self.registry, self.url = registry, url
-        self.serving, self.swaps = 1, scrape(url, SWAPS)
+        self.serving, self.swaps = 1, scrape(url, SWAPS, "champion")
 
     def move(self) -> float:
         """Point the alias at the other version; when it moved."""
@@ -82,7 +84,7 @@ class Follower:
         """Until the server has counted the swap and the old version is retired (its
         in-flight requests done: a second or two)."""
         deadline = time.monotonic() + timeout
-        while scrape(self.url, SWAPS) <= self.swaps:
+        while scrape(self.url, SWAPS, "champion") <= self.swaps:
             if time.monotonic() > deadline:
                 raise SystemExit(f"no swap to version {self.serving} within {timeout} s")
             time.sleep(0.2)
@@ -154,10 +156,10 @@ def shadow_phase(model_dir: Path, challenger: Path, args, texts) -> dict:
                 run_clients(Tally(), args.clients, 4, one_request)  # warm-up
                 run_clients(tallies[mode], args.clients, args.phase, one_request)
                 if mode == "on":
-                    mirrored += scrape(url, 'lmops:shadow_prompt_bits_per_byte_count{role="challenger"}')
+                    mirrored += scrape(url, "lmops:shadow_prompt_bits_per_byte_count", "challenger")
                     dropped += scrape(url, "lmops:shadow_prompts_dropped_total")
                     for role in sums:
-                        sums[role] += scrape(url, f'lmops:shadow_prompt_bits_per_byte_sum{{role="{role}"}}')
+                        sums[role] += scrape(url, "lmops:shadow_prompt_bits_per_byte_sum", role)
             finally:
                 stop(proc)
     p95 = {mode: pct(t.ttft, 95) for mode, t in tallies.items()}

@@ -18,18 +18,16 @@ Prints one line per measurement and the verdict. Exit status: 0 Successful (prom
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from lmops import prometheus as prometheus_api
 
 TEMPLATE = Path(__file__).resolve().parent / "canary" / "analysistemplate.yaml"
 # Argo Rollouts' order: a worse phase wins.
@@ -95,20 +93,7 @@ def load(template_file: Path, given: dict[str, str]) -> list[Metric]:
 
 def query(prometheus: str, promql: str, timeout: float = 20) -> list[float]:
     """An instant query's vector (or scalar) as floats; OSError when Prometheus cannot answer."""
-    url = f"{prometheus.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            body = json.load(response)
-    except urllib.error.HTTPError as exc:
-        raise OSError(
-            f"Prometheus answered {exc.code}: {exc.read().decode(errors='replace')[:300]}"
-        ) from None
-    data = body["data"]
-    if data["resultType"] == "scalar":
-        return [float(data["result"][1])]
-    if data["resultType"] != "vector":
-        raise OSError(f"Prometheus metric type not supported: {data['resultType']}")
-    return [float(sample["value"][1]) for sample in data["result"]]
+    return [value for _, value in prometheus_api.query(prometheus, promql, timeout)]
 
 
 def judge(metric: Metric, result: list[float]) -> str:

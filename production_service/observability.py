@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from lmops.runtime.engine.metrics import BPB_BUCKETS
+from production_service.model_source import CHALLENGER, CHAMPION
 
 access_log = logging.getLogger("lmops.access")
 
@@ -133,8 +134,8 @@ class ModelMetrics:
         self.shadow_bpb = Histogram(
             "lmops:shadow_prompt_bits_per_byte",
             "Bits per byte of the prompts mirrored to the challenger, scored by both models "
-            "(each with its own tokenizer), by role.",
-            ["role"],
+            "(each with its own tokenizer), by role and the challenger that scored them.",
+            ["role", "challenger_model", "challenger_version"],
             buckets=BPB_BUCKETS,
             registry=r,
         )
@@ -151,5 +152,8 @@ class ModelMetrics:
             self.info.remove(*self._labels[role])
         self._labels[role] = (role, model, version or "none")
         self.info.labels(*self._labels[role]).set(1)
+        if role == CHALLENGER:  # its shadow series at 0 from the start (all 0 without shadow mode)
+            for each in (CHAMPION, CHALLENGER):
+                self.shadow_bpb.labels(each, model, version or "none")
         for counter in (self.swaps, self.refused, self.poll_errors):
             counter.labels(role)  # at 0 from the start, so the first increase is seen

@@ -1,7 +1,9 @@
 """Shadow mode: a share of the champion's live prompts (LMOPS_SHADOW_SHARE) is mirrored to
 the challenger, and both models' bits/byte on those same prompts go to /metrics
-(`lmops:shadow_prompt_bits_per_byte{role=...}`), so the challenger is judged on the
-traffic it would serve before it is promoted.
+(`lmops:shadow_prompt_bits_per_byte{role, challenger_model, challenger_version}`), so the
+challenger is judged on the traffic it would serve before it is promoted: the series carry
+the challenger version that scored them, so a version's evidence never mixes with its
+predecessor's (the promotion gate reads them: lmops.pipeline.shadow).
 
 The drift signal's machinery does the scoring: the champion's request is scored as it
 is prefilled (the engine's `score_prompt`), the challenger prefills the same text with
@@ -35,8 +37,6 @@ class Shadow:
     def __init__(self, runtime: Runtime, share: float):
         self.runtime, self.share = runtime, share
         self.metrics = runtime.metrics
-        for role in (CHAMPION, CHALLENGER):
-            self.metrics.shadow_bpb.labels(role)  # both series from the start, at 0
         self._credit = 0.0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(QUEUE_SIZE)
@@ -77,7 +77,7 @@ class Shadow:
             if score is None:
                 self.metrics.shadow_dropped.inc()
             else:
-                pair.add(CHALLENGER, score)
+                pair.add(CHALLENGER, score, scored_by=(served.model.name, served.model.version or "none"))
 
 
 class _Pair:
@@ -86,15 +86,17 @@ class _Pair:
     def __init__(self, metrics):
         self.metrics = metrics
         self.scores: dict[str, float] = {}
+        self.challenger: tuple[str, str] | None = None  # its name and version
         self._lock = threading.Lock()
 
-    def add(self, role: str, score: float) -> None:
+    def add(self, role: str, score: float, scored_by: tuple[str, str] | None = None) -> None:
         with self._lock:
             self.scores[role] = score
+            self.challenger = scored_by or self.challenger
             if len(self.scores) < 2:
                 return
         for each, value in self.scores.items():
-            self.metrics.shadow_bpb.labels(each).observe(value)
+            self.metrics.shadow_bpb.labels(each, *self.challenger).observe(value)
 
 
 class _Scored:

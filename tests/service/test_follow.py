@@ -342,11 +342,16 @@ def test_a_challenger_with_its_own_tokenizer_serves_and_shadows(model_dir, tmp_p
             r = requests.post(f"{server.url}/v1/completions", json=body, timeout=30)
             assert r.status_code == 200 and r.json()["model"] == "lmops-tiny"
         name = "lmops:shadow_prompt_bits_per_byte_count"
-        wait_for(lambda: metric(server, name, role="challenger") == 10, 20, "ten mirrored prompts scored")
-        assert metric(server, name, role="champion") == 10
+        scored_by = {"challenger_model": "lmops", "challenger_version": "9"}  # the series say by whom
+        wait_for(
+            lambda: metric(server, name, role="challenger", **scored_by) == 10,
+            20,
+            "ten mirrored prompts scored",
+        )
+        assert metric(server, name, role="champion", **scored_by) == 10
         assert metric(server, "lmops:shadow_prompts_dropped_total") == 0
         sums = [
-            metric(server, "lmops:shadow_prompt_bits_per_byte_sum", role=r)
+            metric(server, "lmops:shadow_prompt_bits_per_byte_sum", role=r, **scored_by)
             for r in ("champion", "challenger")
         ]
         assert all(s > 0 for s in sums) and sums[0] != sums[1]

@@ -224,6 +224,25 @@ class PromoteConfig(_Section):
     # +max_slice_regression (worse by more than this) blocks the promotion.
     max_slice_regression: Annotated[float, Field(ge=0.0)] = 0.05
     min_slice_units: Annotated[int, Field(ge=2)] = 10
+    # Live traffic (the service's shadow mode, README "A live champion"): with a Prometheus
+    # URL, a candidate that passes every rule above must also hold up on the live prompts
+    # mirrored to it as the replicas' challenger, which both models scored, in the last
+    # shadow_window (a PromQL duration): worse than the champion there by more than
+    # max_shadow_regression bits/byte blocks it. Until min_shadow_prompts were scored it is
+    # not promoted but made @challenger_alias, which the replicas' challenger follows; a
+    # later promote judges it.
+    shadow_prometheus_url: Annotated[str, Field(pattern=r"^https?://")] | None = None
+    challenger_alias: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_-]+$")] = "challenger"
+    shadow_window: Annotated[str, Field(pattern=r"^[1-9][0-9]*[mhdw]$")] = "24h"
+    min_shadow_prompts: Annotated[int, Field(ge=1)] = 200
+    max_shadow_regression: Annotated[float, Field(ge=0.0)] = 0.0
+
+    @field_validator("challenger_alias")
+    @classmethod
+    def _challenger_is_not_champion(cls, name: str, info: ValidationInfo) -> str:
+        if name == info.data.get("alias"):
+            raise ValueError(f"'{name}' is promote.alias too: a waiting candidate needs an alias of its own")
+        return name
 
 
 class MlflowConfig(_Section):

@@ -4,7 +4,10 @@ The gate (gate.py) compares the candidate with the champion on the same test uni
 (evaluate.py): the difference in bits/byte must be below -promote.min_improvement across
 its whole paired-bootstrap interval; every behavioural check (checks.py) must pass; with
 promote.max_latency_ratio set, the candidate must not be slower than that, both measured
-side by side on one workload (latency.py). The champion's unit results are reused when
+side by side on one workload (latency.py); with promote.shadow_prometheus_url set, a
+candidate all of that passes must also hold up against the champion on live prompts
+(shadow.py): until enough of them were mirrored to it, it is made @challenger (which the
+replicas' challenger follows) and waits for a later promote. The champion's unit results are reused when
 its run logged them for the same units; otherwise it is scored on them first (the data or
 the evaluation changed). The evidence goes to artifacts/promotion.json, its numbers to
 artifacts/promotion_metrics.json (DVC metrics), the model version's tags and the run's
@@ -28,7 +31,7 @@ from pathlib import Path
 
 from lmops import atomic, crash_points
 from lmops.errors import LmopsError
-from lmops.pipeline import checks, gate, latency, tracking
+from lmops.pipeline import checks, gate, latency, shadow, tracking
 from lmops.pipeline.evaluate import (
     UnitSelection,
     fetch_units,
@@ -102,11 +105,15 @@ def judge(
     champion_dir: Path | None,
     selection: UnitSelection,
     candidate_rows: list,
+    version: int | str,
 ) -> dict:
     """The gate's evidence: the paired comparison (with a champion), every check's result,
-    the latency comparison; `passed` when all of them say promote."""
+    the latency comparison, the live shadow comparison (with promote.shadow_prometheus_url);
+    `passed` when all of them say promote."""
     cfg = params.promote
     checks.resolve(cfg.checks)  # a check that does not import stops before any work
+    # Read first: a Prometheus that does not answer stops promote before the slow work.
+    live = shadow.compare(cfg, version) if champion_dir and cfg.shadow_prometheus_url else None
     engine_args = {"device": params.train.device, "compile": False}
     candidate = LLMEngine.from_pretrained(model_dir, **engine_args)
     try:
@@ -152,6 +159,18 @@ def judge(
         if not ok:
             passed = False
             reasons.append(why)
+    if live is not None:
+        evidence["shadow"] = live
+        if live["judged"]:
+            passed &= live["passed"]
+            reasons.append(f"live shadow: {live['reason']}")
+        elif passed:  # every offline rule says promote: the live traffic has the last word
+            passed, live["awaiting"] = False, True
+            reasons.append(
+                f"awaiting live evidence, v{version} is @{cfg.challenger_alias} meanwhile: {live['reason']}"
+            )
+        else:
+            reasons.append(f"live shadow: {live['reason']}")
     evidence.update(passed=passed, reason="; ".join(reasons) or "no champion yet")
     return evidence
 
@@ -291,7 +310,15 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
             evidence = (
                 {}
                 if is_champion
-                else judge(params, model_dir, champion, fetch(champion, Path(tmp)), selection, candidate_rows)
+                else judge(
+                    params,
+                    model_dir,
+                    champion,
+                    fetch(champion, Path(tmp)),
+                    selection,
+                    candidate_rows,
+                    version.version,
+                )
             )
         except ChampionUnavailable as exc:
             if not force:
@@ -340,6 +367,10 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
             cfg.model_name, version.version, "promotion_evidence", evidence_tag(record)
         )
         tracking.log_metrics(run_id, {f"gate_{k}": v for k, v in numbers.items()})
+    if decision["evidence"].get("shadow", {}).get("awaiting"):
+        # The served challenger (LMOPS_CHALLENGER_URI=models:/<name>@<challenger_alias>)
+        # follows the alias: the replicas start mirroring prompts to this version.
+        client.set_registered_model_alias(cfg.model_name, cfg.challenger_alias, version.version)
     if promoted:
         client.set_registered_model_alias(cfg.model_name, cfg.alias, version.version)
         crash_points.reached("promote.alias_moved")
@@ -366,6 +397,11 @@ def gate_metrics(decision: dict) -> dict[str, float | int]:
         numbers["checks_failed"] = sum(not c["passed"] for c in evidence["checks"])
     if "latency" in evidence:
         numbers["latency_ratio"] = evidence["latency"]["ratio"]
+    if evidence.get("shadow", {}).get("judged"):
+        numbers.update(
+            shadow_delta_bits_per_byte=evidence["shadow"]["delta_bits_per_byte"],
+            shadow_prompts=evidence["shadow"]["prompts"],
+        )
     judged = [s for s in evidence.get("slices", []) if s["judged"]]
     if judged:
         numbers["worst_slice_delta"] = judged[0]["delta_bits_per_byte"]
