@@ -129,9 +129,9 @@ class EngineConfig:
     # take to compile before its request is refused.
     grammar_cache_size: int = 64
     grammar_compile_timeout: float = 5.0
-    # Speculative decoding of plain greedy requests: up to this many tokens a step proposed by
-    # prompt lookup (n-gram matches in the sequence's own tokens) and verified in the same
-    # forward; the output is greedy's own. 0 disables it.
+    # Speculative decoding: up to this many tokens a step proposed by prompt lookup (n-gram
+    # matches in the sequence's own tokens) and verified in the same forward; greedy output
+    # is greedy's own, sampled output keeps its distribution (rejection sampling). 0 disables it.
     num_speculative_tokens: int = 0
     # vLLM's: "fcfs" serves requests in arrival order; "priority" serves the lowest
     # `priority` first (ties by arrival) and preempts the highest when blocks run out.

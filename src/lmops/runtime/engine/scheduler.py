@@ -11,10 +11,11 @@ Under the "priority" policy (vLLM's) the waiting queue is kept in order of the r
 `priority` (lower first), then arrival; running sequences are served in that order and
 the preemption victim is the last of it: the lowest priority, newest first.
 
-With `num_speculative_tokens`, a plain greedy decode also carries a draft (`ngram_draft`:
-prompt lookup, no draft model): its tokens are computed in the same forward as the
-sequence's last token, and the sampler keeps the prefix that greedy decoding would have
-produced anyway (engine.py's `_verify`).
+With `num_speculative_tokens`, a decode also carries a draft (`ngram_draft`: prompt
+lookup, no draft model): its tokens are computed in the same forward as the sequence's
+last token, and the verifier keeps the prefix that greedy decoding would have produced
+anyway, or, for a sampled request, what rejection sampling accepts (engine.py's `_verify`,
+sampling.py's `speculative_sample`).
 
 `update` is the step's other half: it applies what the runner computed and the sampler
 drew (tokens appended, prompt scores recorded, rejected draft tokens rolled back, finished
@@ -152,10 +153,14 @@ class Scheduler:
             batch.sample_rows.extend([row] * len(family))
 
     def _draft(self, seq: Sequence, room: int) -> list[int]:
-        """Up to `num_speculative_tokens` draft tokens for a plain greedy decode (verifying
-        them needs nothing but the argmax), within `room` tokens of the step's budget, the
-        request's max_tokens, and the free blocks (a draft never causes a preemption)."""
-        if not seq.params.plain_greedy or seq.grammar is not None:
+        """Up to `num_speculative_tokens` draft tokens for a decode, within `room` tokens of
+        the step's budget, the request's max_tokens, and the free blocks (a draft never
+        causes a preemption). Greedy and sampled requests alike (penalties, biases, seeds:
+        the verifier computes each draft row's distribution as the sampler would), but not
+        a grammar's (its matcher would have to advance through the draft and roll back) nor
+        one asking for logprobs (accepted draft tokens would need their own log-probs), nor a
+        prompt's last token that n > 1 siblings fork from (they sample from its row)."""
+        if seq.grammar is not None or seq.params.logprobs is not None or seq.pending_forks:
             return []
         k = min(self.num_speculative_tokens, room, seq.request.max_tokens - seq.num_output_tokens - 1)
         draft = ngram_draft(seq.token_ids, k) if k > 0 else []
