@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from lmops.errors import LmopsError
 from lmops.runtime.engine.config import PRIORITY_BOUND, EngineConfig
+from lmops.runtime.engine.draft import DraftModel
 from lmops.runtime.engine.grammar import GrammarCompiler
 from lmops.runtime.engine.kv_cache import BlockManager, KVPool
 from lmops.runtime.engine.kv_events import ZmqEventPublisher, make_publisher
@@ -118,6 +119,16 @@ class LLMEngine:
             record_events=self.kv_events is not None,
         )
         self._publish_events()  # the new cache's AllBlocksCleared
+        self.draft_model = None
+        if engine_config.speculative_model is not None:
+            self.draft_model = DraftModel.load(
+                engine_config.speculative_model,
+                tokenizer,
+                cfg.vocab_size,
+                self.max_model_len,
+                self.device,
+                self.dtype,
+            )
         self.scheduler = Scheduler(
             self.block_manager,
             self.max_num_seqs,
@@ -125,6 +136,7 @@ class LLMEngine:
             self.eos_token_ids,
             engine_config.num_speculative_tokens,
             engine_config.scheduling_policy,
+            self.draft_model,
         )
         self.runner = ModelRunner(model, self.pool, compile_up_to)
         self.reset_metrics()
@@ -212,9 +224,10 @@ class LLMEngine:
 
     @property
     def memory_bytes(self) -> int:
-        """What this engine holds on its device: the weights and the KV cache."""
+        """What this engine holds on its device: the weights (a draft model's too) and the
+        paged KV cache (not the draft model's per-sequence caches, which come and go)."""
         weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        return weights + self.pool.nbytes
+        return weights + self.pool.nbytes + (self.draft_model.nbytes if self.draft_model else 0)
 
     # -- requests ----------------------------------------------------------------------
 
