@@ -58,8 +58,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_random_model(directory: Path, max_len: int) -> Path:
-    """The default-size model with random weights, plus a 4096-token BPE to decode its output."""
+def build_random_model(directory: Path, max_len: int, seed: int = 0, **shape) -> Path:
+    """The default-size model (or `shape`) with random weights, plus a 4096-token BPE to
+    decode its output (the same BPE whatever the seed or shape)."""
     if SHAKESPEARE.is_file():
         text = SHAKESPEARE.read_text(encoding="utf-8")
         texts = [text[i : i + 65536] for i in range(0, len(text), 65536)]
@@ -70,7 +71,7 @@ def build_random_model(directory: Path, max_len: int) -> Path:
             for _ in range(20000)
         ]
         texts = [" ".join(rng.choice(words) for _ in range(5000)) for _ in range(60)]
-    return random_model_dir(directory, texts, 4096, max_len, seed=0)
+    return random_model_dir(directory, texts, 4096, max_len, seed=seed, **shape)
 
 
 class HF:

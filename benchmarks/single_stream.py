@@ -1,7 +1,8 @@
 """Single-stream latency: one request at a time, the engine as it is against the engine at
 a baseline commit, in one run.
 
-    python benchmarks/single_stream.py [--baseline REV] [--threads 1 2] [--rounds 7] [--speculative 4] [--quick]
+    python benchmarks/single_stream.py [--baseline REV] [--threads 1 2] [--rounds 7] [--speculative 4]
+        [--draft-model target|tiny] [--quick]
 
 All engines run the same random default-size model (benchmarks/engine.py's, context 1024)
 and the same greedy request (128-token prompt, 128 new tokens, EOS ignored), compiled decode
@@ -13,7 +14,10 @@ Decode tok/s = 127 / (last token - first token), by the wall clock and by the wo
 time over the same steps (on a shared machine the CPU time is the steadier figure: it leaves
 out the time other jobs held the core); TTFT from the request's metrics. `--speculative K`
 adds a third worker: the engine as it is with `num_speculative_tokens=K` (and its
-acceptance rate: accepted / drafted tokens). Every worker's
+acceptance rate: accepted / drafted tokens); with `--draft-model` its drafts come from a draft
+model instead of prompt lookup: `target` (the benchmark's model as its own draft: every
+draft kept, so it measures what drafting costs) or `tiny` (a random tiny model with the same
+tokenizer: nearly every draft rejected). Every worker's
 greedy tokens must be the baseline's. Writes benchmarks/results/single-stream-cpu.json.
 """
 
@@ -33,6 +37,8 @@ from pathlib import Path
 
 from engine import RESULTS, build_random_model, write_results
 
+from lmops.runtime.model_config import TINY_SHAPE
+
 REPO = Path(__file__).resolve().parents[1]
 # The engine before issue 34 (the four-verb step, one forward, the latency work).
 BASELINE = "6045f25"
@@ -40,7 +46,7 @@ PROMPT_LEN = 128
 ENGINES = ("baseline", "now", "speculative")
 
 
-def worker(model_dir: Path, threads: int, speculative: int) -> None:
+def worker(model_dir: Path, threads: int, speculative: int, draft_dir: Path | None) -> None:
     """Serve requests from stdin (one JSON line: new tokens), answer one JSON line each."""
     import torch
 
@@ -48,6 +54,8 @@ def worker(model_dir: Path, threads: int, speculative: int) -> None:
     from lmops.runtime.engine import LLMEngine, SamplingParams
 
     spec = {"num_speculative_tokens": speculative} if speculative else {}
+    if draft_dir is not None:
+        spec["speculative_model"] = str(draft_dir)
     engine = LLMEngine.from_pretrained(model_dir, device="cpu", compile=True, drift_sample=0, **spec)
     prompt = [3 + (7 * i) % 4000 for i in range(PROMPT_LEN)]
     print(json.dumps({"ready": True, "compiled": engine.runner.decode is not None}), flush=True)
@@ -74,10 +82,12 @@ def worker(model_dir: Path, threads: int, speculative: int) -> None:
 
 
 class Worker:
-    def __init__(self, src: Path, model_dir: Path, threads: int, speculative: int):
+    def __init__(self, src: Path, model_dir: Path, threads: int, speculative: int, draft_dir: Path | None):
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, __file__, "--worker", str(model_dir), "--threads", str(threads)]
         cmd += ["--speculative", str(speculative)]
+        if speculative and draft_dir is not None:
+            cmd += ["--draft-dir", str(draft_dir)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         self.hello = self._read()
 
@@ -128,12 +138,20 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--speculative", type=int, default=0, help="also the engine with this many draft tokens")
+    ap.add_argument(
+        "--draft-model",
+        choices=["target", "tiny"],
+        help="with --speculative: drafts from a draft model (the target itself, or a tiny random one)",
+    )
     ap.add_argument("--quick", action="store_true", help="2 rounds, 1 thread")
     ap.add_argument("--out", type=Path, default=RESULTS / "single-stream-cpu.json")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--draft-dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker(args.worker, args.threads[0], args.speculative)
+        return worker(args.worker, args.threads[0], args.speculative, args.draft_dir)
+    if args.draft_model and not args.speculative:
+        ap.error("--draft-model drafts --speculative K tokens a step: give K")
     if args.quick:
         args.rounds, args.threads = 2, [1]
     new = 128
@@ -142,16 +160,22 @@ def main(argv: list[str] | None = None) -> dict | None:
         "rounds": args.rounds,
         "prompt_tokens": PROMPT_LEN,
         "new_tokens": new,
+        "draft_model": args.draft_model,
     }
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_random_model(Path(tmp) / "model", 1024)
+        draft_dir = {"target": model_dir, None: None}.get(args.draft_model)
+        if args.draft_model == "tiny":
+            draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE)
         sources = {"baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0), "now": (REPO / "src", 0)}
         if args.speculative:
             sources["speculative"] = (REPO / "src", args.speculative)
         res["by_threads"] = {}
         for threads in args.threads:
-            workers = {name: Worker(src, model_dir, threads, k) for name, (src, k) in sources.items()}
+            workers = {
+                name: Worker(src, model_dir, threads, k, draft_dir) for name, (src, k) in sources.items()
+            }
             runs: dict[str, list[dict]] = {name: [] for name in workers}
             for _ in range(args.rounds):
                 for name, w in workers.items():

@@ -431,15 +431,22 @@ def test_every_engine_config_field_is_an_lmops_setting(monkeypatch):
     with pytest.raises(LmopsError, match="LMOPS_MADE_UP_FIELD"):  # EngineConfig has no such field
         ServiceConfig.from_env()
     # fields whose default is None
-    unset_examples = {"kv_cache_memory": "1000000", "quantization": "int8", "kv_events_config": '{"hwm": 7}'}
+    unset_examples = {
+        "kv_cache_memory": "1000000",
+        "quantization": "int8",
+        "kv_events_config": '{"hwm": 7}',
+        "speculative_model": "/models/draft",
+    }
     for f in dataclasses.fields(EngineConfig):
         value = getattr(EngineConfig(), f.name)
         env = str(value).lower() if value is not None else unset_examples[f.name]
         monkeypatch.setenv(f"LMOPS_{f.name.upper()}", env)
+    monkeypatch.setenv("LMOPS_NUM_SPECULATIVE_TOKENS", "4")  # a draft model drafts at least 1
     monkeypatch.delenv("LMOPS_MADE_UP_FIELD")
     monkeypatch.setattr(settings_module, "_ENGINE_FIELDS", settings_module._ENGINE_FIELDS[:-1])
     engine = ServiceConfig.from_env().engine
     assert engine.kv_cache_memory == 1000000 and engine.quantization == "int8"
+    assert engine.speculative_model == "/models/draft" and engine.num_speculative_tokens == 4
     assert engine.kv_events_config == KVEventsConfig(hwm=7)  # JSON, parsed: vLLM's keys
 
 

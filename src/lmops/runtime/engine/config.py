@@ -129,10 +129,14 @@ class EngineConfig:
     # take to compile before its request is refused.
     grammar_cache_size: int = 64
     grammar_compile_timeout: float = 5.0
-    # Speculative decoding of plain greedy requests: up to this many tokens a step proposed by
-    # prompt lookup (n-gram matches in the sequence's own tokens) and verified in the same
-    # forward; the output is greedy's own. 0 disables it.
+    # Speculative decoding: up to this many tokens a step proposed by prompt lookup (n-gram
+    # matches in the sequence's own tokens) and verified in the same forward; greedy output
+    # is greedy's own, sampled output keeps its distribution (rejection sampling). 0 disables it.
     num_speculative_tokens: int = 0
+    # A draft model directory (config.json, model.safetensors, and the target's own
+    # tokenizer.json) whose greedy tokens are the drafts instead of prompt lookup's; None:
+    # prompt lookup. Needs num_speculative_tokens >= 1.
+    speculative_model: str | None = None
     # vLLM's: "fcfs" serves requests in arrival order; "priority" serves the lowest
     # `priority` first (ties by arrival) and preempts the highest when blocks run out.
     scheduling_policy: str = "fcfs"
@@ -149,6 +153,13 @@ class EngineConfig:
         n = self.num_speculative_tokens
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {n!r}")
+        if self.speculative_model is not None:
+            if not isinstance(self.speculative_model, str) or not self.speculative_model:
+                raise ValueError(
+                    f"speculative_model must be a model directory or None, got {self.speculative_model!r}"
+                )
+            if n == 0:
+                raise ValueError("speculative_model drafts num_speculative_tokens tokens a step: set it >= 1")
         check_quantization(self.quantization)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(

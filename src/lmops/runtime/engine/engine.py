@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from lmops.errors import LmopsError
 from lmops.runtime.engine.config import PRIORITY_BOUND, EngineConfig
+from lmops.runtime.engine.draft import DraftModel
 from lmops.runtime.engine.grammar import GrammarCompiler
 from lmops.runtime.engine.kv_cache import BlockManager, KVPool
 from lmops.runtime.engine.kv_events import ZmqEventPublisher, make_publisher
@@ -29,9 +30,9 @@ from lmops.runtime.engine.sampling import (
     SampleResult,
     SamplingParams,
     TokenMasks,
-    argmax,
     sample,
     seeded_generator,
+    speculative_sample,
 )
 from lmops.runtime.engine.scheduler import ScheduledBatch, Scheduler, StepUpdate
 from lmops.runtime.engine.sequence import (
@@ -118,6 +119,16 @@ class LLMEngine:
             record_events=self.kv_events is not None,
         )
         self._publish_events()  # the new cache's AllBlocksCleared
+        self.draft_model = None
+        if engine_config.speculative_model is not None:
+            self.draft_model = DraftModel.load(
+                engine_config.speculative_model,
+                tokenizer,
+                cfg.vocab_size,
+                self.max_model_len,
+                self.device,
+                self.dtype,
+            )
         self.scheduler = Scheduler(
             self.block_manager,
             self.max_num_seqs,
@@ -125,6 +136,7 @@ class LLMEngine:
             self.eos_token_ids,
             engine_config.num_speculative_tokens,
             engine_config.scheduling_policy,
+            self.draft_model,
         )
         self.runner = ModelRunner(model, self.pool, compile_up_to)
         self.reset_metrics()
@@ -212,9 +224,10 @@ class LLMEngine:
 
     @property
     def memory_bytes(self) -> int:
-        """What this engine holds on its device: the weights and the KV cache."""
+        """What this engine holds on its device: the weights (a draft model's too) and the
+        paged KV cache (not the draft model's per-sequence caches, which come and go)."""
         weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        return weights + self.pool.nbytes
+        return weights + self.pool.nbytes + (self.draft_model.nbytes if self.draft_model else 0)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -404,23 +417,31 @@ class LLMEngine:
         if batch.sample_rows != list(range(len(logits))):
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]
         result = sample(logits, batch.samples, self.eos_token_ids, self._token_masks(batch.samples))
-        for k, seq in enumerate(batch.samples):
-            if seq.draft:
-                self._verify(seq, output.logits, batch.sample_rows[k], result, k)
+        drafted = [k for k, seq in enumerate(batch.samples) if seq.draft]
+        if drafted:
+            self._verify(batch, output.logits, drafted, result)
         return result
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor, row: int, result: SampleResult, k: int) -> None:
-        """Greedy verification of seq's draft: rows `row - len(draft)` .. `row - 1` hold the
-        logits after its last token and after each draft token. Keep the draft's longest
-        prefix that their argmax agrees with; the token after it is the argmax where the two
-        part, else (all kept) the sampler's draw from `row`. So the output is greedy's own."""
-        d = len(seq.draft)
-        target = argmax(logits[row - d : row]).tolist()
-        kept = next((j for j in range(d) if target[j] != seq.draft[j]), d)
-        result.accepted[k] = seq.draft[:kept]
-        if kept < d:
-            result.token_ids[k] = target[kept]
-        self.metrics.on_speculation(d, kept)
+    def _verify(
+        self, batch: ScheduledBatch, logits: torch.Tensor, drafted: list[int], result: SampleResult
+    ) -> None:
+        """Verify the drafts of samples `drafted`: rows `row - len(draft)` .. `row` hold the
+        logits after a sequence's last token and after each draft token. `speculative_sample`
+        keeps what greedy decoding would have produced (greedy rows) or what rejection
+        sampling accepts (sampled rows), so the output is distributed as without a draft;
+        its next token replaces the sampler's draw."""
+        seqs = [batch.samples[k] for k in drafted]
+        rows = [
+            r
+            for k, s in zip(drafted, seqs, strict=True)
+            for r in range(batch.sample_rows[k] - len(s.draft), batch.sample_rows[k] + 1)
+        ]
+        rows_t = torch.tensor(rows, device=logits.device)
+        verdicts = speculative_sample(logits[rows_t], seqs, [s.draft for s in seqs], self.eos_token_ids)
+        for k, seq, (kept, token) in zip(drafted, seqs, verdicts, strict=True):
+            result.accepted[k] = seq.draft[:kept]
+            result.token_ids[k] = token
+            self.metrics.on_speculation(len(seq.draft), kept)
 
     def _record(self, batch: ScheduledBatch, update: StepUpdate, t: float) -> None:
         """The step's metrics: tokens, prompts scored whole (the drift signal), finished

@@ -5,7 +5,8 @@ token mask (structured outputs) -> temperature -> min_p -> top_k -> top_p -> dra
 is `argmax(p / q)` with q ~ Exp(1) (the "exponential race", an exact sample from p); a
 seeded request takes its q from its own generator, so its tokens do not depend on what else
 shares the batch. Logprobs are those of the raw model distribution (before penalties,
-the mask and temperature), as in vLLM.
+the mask and temperature), as in vLLM. `speculative_sample` verifies speculative drafts
+against the same distributions (rejection sampling for sampled rows, `verify_draft`).
 """
 
 from __future__ import annotations
@@ -361,28 +362,115 @@ def sample(
     logits = logits.float()
     params = [s.params for s in seqs]
     raw_logprobs = torch.log_softmax(logits, -1) if any(p.logprobs is not None for p in params) else None
-    logits = apply_biases(logits, seqs, eos_token_ids)
-    logits = apply_penalties(logits, seqs)
-    logits = apply_token_masks(logits, masks)
+    logits = _adjust(logits, seqs, eos_token_ids, masks)
     greedy = [p.greedy for p in params]
     if all(greedy):
         tokens = argmax(logits)
     else:
-        temps = torch.tensor(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device
-        )[:, None]
-        probs = apply_filters(logits / temps, params).softmax(-1)
-        q = torch.empty_like(probs).exponential_()
-        for i, s in enumerate(seqs):
-            if s.generator is not None and not greedy[i]:
-                q[i].exponential_(generator=s.generator)
-        drawn = argmax(probs / q.clamp_min_(1e-10))
+        drawn = race(
+            _probs(logits, params), [None if g else s.generator for s, g in zip(seqs, greedy, strict=True)]
+        )
         if any(greedy):
             mask = torch.tensor(greedy, device=logits.device)
             drawn = torch.where(mask, argmax(logits), drawn)
         tokens = drawn
     token_ids = tokens.tolist()
     return SampleResult(token_ids, _logprobs(raw_logprobs, token_ids, params))
+
+
+def _adjust(
+    logits: torch.Tensor, seqs: list[SampleInput], eos_token_ids: frozenset[int], masks: TokenMasks | None
+) -> torch.Tensor:
+    """The logits the draw is made from, before temperature: biases, penalties, grammar masks."""
+    logits = apply_biases(logits, seqs, eos_token_ids)
+    logits = apply_penalties(logits, seqs)
+    return apply_token_masks(logits, masks)
+
+
+def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The sampling distributions of adjusted logits: temperature (1 for greedy rows), then
+    min_p / top_k / top_p."""
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+    return apply_filters(logits / temps[:, None], params).softmax(-1)
+
+
+def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of `probs` (unnormalized is fine): the exponential race, with a
+    row's noise from its generator where it has one."""
+    q = torch.empty_like(probs).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    return argmax(probs / q.clamp_min_(1e-10))
+
+
+class _Ahead:
+    """A sequence as the sampler sees it at draft row j: with the draft's first j tokens
+    already in its output (penalties and min_tokens count them)."""
+
+    def __init__(self, seq: SampleInput, extra: list[int]):
+        self.seq, self.extra = seq, extra
+        self.params, self.generator = seq.params, seq.generator
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seq.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.extra
+
+
+def residual(p: torch.Tensor, token: int) -> torch.Tensor:
+    """max(0, p - q) normalized, for q the point mass at `token` (a deterministic draft's
+    proposal): p without `token`, renormalized."""
+    r = p.clone()
+    r[token] = 0
+    return r / r.sum()
+
+
+def verify_draft(probs: torch.Tensor, draft: list[int], generator: torch.Generator | None) -> tuple[int, int]:
+    """Rejection sampling of a draft proposed deterministically (Leviathan et al. 2023):
+    `probs` (len(draft) + 1, V) are the target's distributions after each prefix of the
+    draft. Draft token j is kept with probability p_j(d_j); the first rejected one is
+    replaced by a draw from `residual(p_j, d_j)`, and if all are kept one more token is
+    drawn from the last row. Every token so produced is distributed as the target's own.
+    Returns (tokens kept, the token after them)."""
+    d = len(draft)
+    u = torch.rand(d, generator=generator, device=probs.device)
+    p_draft = probs[torch.arange(d, device=probs.device), torch.tensor(draft, device=probs.device)]
+    rejected = (u >= p_draft).tolist()
+    kept = rejected.index(True) if True in rejected else d
+    dist = residual(probs[kept], draft[kept]) if kept < d else probs[d]
+    return kept, int(race(dist[None], [generator])[0])
+
+
+def speculative_sample(
+    logits: torch.Tensor,
+    seqs: list[SampleInput],
+    drafts: list[list[int]],
+    eos_token_ids: frozenset[int] = frozenset(),
+) -> list[tuple[int, int]]:
+    """Verify each sequence's draft: `logits` has len(draft) + 1 rows per sequence, in
+    order (after its last token and after each draft token). Greedy rows keep the draft's
+    prefix their argmax agrees with, then the argmax (greedy's own output); sampled rows go
+    through `verify_draft` with the request's generator (a seeded request's tokens are the
+    same run to run). (kept, next token) per sequence."""
+    rows = [_Ahead(s, d[:j]) for s, d in zip(seqs, drafts, strict=True) for j in range(len(d) + 1)]
+    params = [r.params for r in rows]
+    logits = _adjust(logits.float(), rows, eos_token_ids, None)
+    greedy = argmax(logits).tolist() if any(p.greedy for p in params) else None
+    probs = _probs(logits, params) if not all(p.greedy for p in params) else None
+    out, at = [], 0
+    for s, d in zip(seqs, drafts, strict=True):
+        if s.params.greedy:
+            target = greedy[at : at + len(d) + 1]
+            kept = next((j for j in range(len(d)) if target[j] != d[j]), len(d))
+            out.append((kept, target[kept]))
+        else:
+            out.append(verify_draft(probs[at : at + len(d) + 1], d, s.generator))
+        at += len(d) + 1
+    return out
 
 
 def _logprobs(raw: torch.Tensor | None, token_ids: list[int], params) -> list[dict | None]:

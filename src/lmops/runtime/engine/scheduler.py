@@ -11,10 +11,11 @@ Under the "priority" policy (vLLM's) the waiting queue is kept in order of the r
 `priority` (lower first), then arrival; running sequences are served in that order and
 the preemption victim is the last of it: the lowest priority, newest first.
 
-With `num_speculative_tokens`, a plain greedy decode also carries a draft (`ngram_draft`:
-prompt lookup, no draft model): its tokens are computed in the same forward as the
-sequence's last token, and the sampler keeps the prefix that greedy decoding would have
-produced anyway (engine.py's `_verify`).
+With `num_speculative_tokens`, a decode also carries a draft (`ngram_draft`: prompt
+lookup, or a draft model's greedy tokens, draft.py): its tokens are computed in the same forward as the sequence's
+last token, and the verifier keeps the prefix that greedy decoding would have produced
+anyway, or, for a sampled request, what rejection sampling accepts (engine.py's `_verify`,
+sampling.py's `speculative_sample`).
 
 `update` is the step's other half: it applies what the runner computed and the sampler
 drew (tokens appended, prompt scores recorded, rejected draft tokens rolled back, finished
@@ -27,10 +28,31 @@ import bisect
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from lmops.runtime.engine.kv_cache import BlockManager
 from lmops.runtime.engine.sampling import SampleResult
 from lmops.runtime.engine.sequence import PromptScores, Request, Sequence, Status
+
+
+class Proposer(Protocol):
+    """Where drafts come from: `NgramProposer`, or a draft model (draft.py's `DraftModel`)."""
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k draft tokens to follow seq's tokens."""
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget seq (preempted, finished or aborted)."""
+
+
+class NgramProposer:
+    """Prompt lookup (`ngram_draft`): no state."""
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        return ngram_draft(seq.token_ids, k)
+
+    def drop(self, seq: Sequence) -> None:
+        pass
 
 
 @dataclass
@@ -73,6 +95,7 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         num_speculative_tokens: int = 0,
         policy: str = "fcfs",
+        proposer: Proposer | None = None,
     ):
         self.bm = block_manager
         self.by_priority = policy == "priority"
@@ -80,6 +103,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self.num_speculative_tokens = num_speculative_tokens
+        self.proposer = proposer or NgramProposer()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -152,13 +176,17 @@ class Scheduler:
             batch.sample_rows.extend([row] * len(family))
 
     def _draft(self, seq: Sequence, room: int) -> list[int]:
-        """Up to `num_speculative_tokens` draft tokens for a plain greedy decode (verifying
-        them needs nothing but the argmax), within `room` tokens of the step's budget, the
-        request's max_tokens, and the free blocks (a draft never causes a preemption)."""
-        if not seq.params.plain_greedy or seq.grammar is not None:
+        """Up to `num_speculative_tokens` draft tokens for a decode, within `room` tokens of
+        the step's budget, the request's max_tokens, and the free blocks (a draft never
+        causes a preemption). Greedy and sampled requests alike (penalties, biases, seeds:
+        the verifier computes each draft row's distribution as the sampler would), but not
+        a grammar's (its matcher would have to advance through the draft and roll back) nor
+        one asking for logprobs (accepted draft tokens would need their own log-probs), nor a
+        prompt's last token that n > 1 siblings fork from (they sample from its row)."""
+        if seq.grammar is not None or seq.params.logprobs is not None or seq.pending_forks:
             return []
         k = min(self.num_speculative_tokens, room, seq.request.max_tokens - seq.num_output_tokens - 1)
-        draft = ngram_draft(seq.token_ids, k) if k > 0 else []
+        draft = self.proposer.propose(seq, k) if k > 0 else []
         if draft and self.bm.num_new_blocks(seq, seq.num_tokens + len(draft)) > self.bm.num_free_blocks:
             return []
         return draft
@@ -242,6 +270,7 @@ class Scheduler:
         """Drop seq's KV and requeue it first; it is recomputed from its tokens later."""
         self.running.remove(seq)
         self.bm.free(seq)
+        self.proposer.drop(seq)
         seq.num_computed_tokens = 0
         seq.draft = []
         seq.status = Status.WAITING
@@ -257,6 +286,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq)
+        self.proposer.drop(seq)
 
 
 def ngram_draft(token_ids: list[int], k: int, max_n: int = 3) -> list[int]:
