@@ -44,7 +44,9 @@ def project(tokenized_project, tmp_path_factory):
     project = tmp_path_factory.mktemp("gate") / "repo"
     shutil.copytree(tokenized_project, project)
     write_params(
-        project, {"model": {**TINY_PARAMS["model"], **WIDE, "n_layer": 2}, "train": {"max_steps": 10}}
+        project,
+        {"model": {**WIDE, "n_layer": 2}, "train": {"max_steps": 10}},
+        base=project / "params.yaml",  # the tiny project's (uncompiled training, 64-token context)
     )
     stages(project, "train", "evaluate", "promote")
     assert promotion(project)["promoted"] and promotion(project)["reason"] == "no champion yet"

@@ -6,7 +6,7 @@ import torch
 
 from lmops.errors import LmopsError
 from lmops.pipeline.checkpoint import fingerprint, load_checkpoint, save_checkpoint, weights_of
-from lmops.pipeline.optim import MuonAdamW, make_optimizer
+from lmops.pipeline.optim import Muon, MuonAdamW, make_optimizer
 from lmops.pipeline.params import TrainConfig, parse_params
 from lmops.pipeline.train import (
     PeakFlops,
@@ -235,6 +235,31 @@ def test_muon_takes_the_decoder_matrices_and_adamw_the_embeddings_head_and_norms
     decayed = {names[id(p)] for g in adamw.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     assert decayed == {"model.embed_tokens.weight", *head}  # norms are not decayed
     assert [g["lr_scale"] for g in opt.param_groups] == [5.0, 1.0, 1.0]  # muon_lr / learning_rate
+
+
+@pytest.mark.parametrize("shape", [(48, 24), (24, 48)])  # tall (transposed) and wide
+def test_muon_in_float32_steps_as_torchs_bfloat16_muon_does(shape):
+    """Without native bfloat16 products Muon orthogonalises in float32: three steps of it
+    land where torch's own (bfloat16) Muon does, to bfloat16's precision, and in bfloat16
+    ours is torch's, bit for bit."""
+    torch.manual_seed(0)
+    start, grads = torch.randn(shape), [torch.randn(shape) for _ in range(3)]
+    settings = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "adjust_lr_fn": "match_rms_adamw"}
+
+    def trained(make) -> torch.Tensor:
+        w = torch.nn.Parameter(start.clone())
+        opt = make([w])
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        return w.detach()
+
+    reference = trained(lambda p: torch.optim.Muon(p, **settings))
+    ours = trained(lambda p: Muon(p, ns_dtype=torch.float32, **settings))
+    moved = (reference - start).norm()
+    assert (ours - reference).norm() < 0.02 * moved  # bfloat16 rounding: ~0.4% per element
+    assert not torch.equal(ours, reference)  # it did run in float32
+    assert torch.equal(trained(lambda p: Muon(p, ns_dtype=torch.bfloat16, **settings)), reference)
 
 
 def test_muon_on_a_parameter_it_cannot_take_names_the_key_and_the_parameter():
