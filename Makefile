@@ -33,7 +33,7 @@ run: install ## run the whole pipeline (dvc repro): corpus -> promoted model
 # runs it in one process.
 PYTEST_WORKERS ?= 2
 test: install ## run the whole test suite
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest --numprocesses=$(PYTEST_WORKERS) --dist=loadfile
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest --numprocesses=$(PYTEST_WORKERS) --dist=loadfile --durations=30
 
 test-fast: install ## unit tests only
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest tests/unit

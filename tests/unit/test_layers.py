@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import REPO
 
 RUNTIME_DIRS = (REPO / "src" / "lmops" / "runtime", REPO / "production_service")
-SHARED = ("lmops", "lmops.errors", "lmops.atomic", "lmops.crash_points")
+SHARED = ("lmops", "lmops.errors", "lmops.atomic", "lmops.crash_points", "lmops.prometheus")
 # Third-party packages the serving image does not have (requirements-serve.lock).
 PIPELINE_ONLY = ("dvc", "pandas", "transformers", "pyarrow", "fsspec")
 # Imported by the runtime only inside the function that needs it (registry downloads, the pyfunc).

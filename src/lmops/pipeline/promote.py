@@ -367,7 +367,7 @@ def _promote(params: Params, force: bool, model_dir: Path) -> dict:
             cfg.model_name, version.version, "promotion_evidence", evidence_tag(record)
         )
         tracking.log_metrics(run_id, {f"gate_{k}": v for k, v in numbers.items()})
-    if decision["evidence"].get("shadow", {}).get("awaiting"):
+    if not promoted and decision["evidence"].get("shadow", {}).get("awaiting"):  # --force promotes it
         # The served challenger (LMOPS_CHALLENGER_URI=models:/<name>@<challenger_alias>)
         # follows the alias: the replicas start mirroring prompts to this version.
         client.set_registered_model_alias(cfg.model_name, cfg.challenger_alias, version.version)
