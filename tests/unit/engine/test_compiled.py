@@ -121,11 +121,18 @@ def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp
             raise AssertionError("compiled although the graph was cached")
 
     monkeypatch.setattr(compiled_module.torch, "compile", NoCompile)
+    monkeypatch.setattr(compiled_module, "_LOADED", {})  # what this process loaded before
     second = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
     assert second.runner.decode is not None
     assert [o.token_ids for o in second.generate(batch, GREEDY)] == expected
+    # A loaded graph is loaded once per process (each load keeps its code for good): a
+    # new version of the model, swapped in, calls the same one.
+    swapped_in = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
+    assert swapped_in.runner.decode._steps[1] is second.runner.decode._steps[1]
+    assert first.runner.decode._steps[1] is not second.runner.decode._steps[1]
 
     monkeypatch.setattr(compiled_module.torch, "compile", real_compile)
+    monkeypatch.setattr(compiled_module, "_LOADED", {})
     saved[0].write_bytes(b"not a graph")
     third = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
     assert "ignoring unreadable cache" in caplog.text

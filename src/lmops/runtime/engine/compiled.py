@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 # shrinks as a step's matrix products grow (measured in benchmarks/README.md: clear at 4
 # sequences, within noise at 16), so larger steps stay eager and engine start stays short.
 BATCH_SIZES = (1, 2, 4, 8, 16)
+# The graphs this process has loaded from the disk cache, by path (the structure and the
+# size name the file): a graph fits every engine of that structure, and each load keeps its compiled
+# code in the process for good (about 0.5 MiB an engine), so a replica swapping in new
+# versions of one model loads them once (benchmarks/swap.py's memory phase).
+_LOADED: dict[str, AOTCompiledFunction] = {}
 
 
 class DecodeAttention:
@@ -127,6 +132,8 @@ class CompiledDecode:
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
         path = self.cache_dir / name
+        if str(path) in _LOADED:
+            return _LOADED[str(path)]
         step = None
         if path.is_file():
             try:
@@ -142,7 +149,10 @@ class CompiledDecode:
                 atomic.write_bytes(path, AOTCompiledFunction.serialize(step).serialized_data)
             except OSError as exc:
                 log.warning("compiled decode: cannot cache %s: %s", path, exc)
+            step.disable_guard_check()
+            return step  # not kept: a graph compiled here holds this engine (its _eager_step)
         step.disable_guard_check()
+        _LOADED[str(path)] = step
         return step
 
     def _eager_step(self, meta, tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
