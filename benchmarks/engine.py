@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -51,6 +52,21 @@ def write_results(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)
+
+
+def cpu_description() -> str:
+    """The CPU's model and the vector extensions that set its speed here, e.g. "AMD EPYC
+    (AVX2 only)": the same benchmark runs at very different rates on AVX-512/BF16 and AVX2."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    flags = set(re.search(r"^flags\s*:\s*(.+)$", info, re.M).group(1).split()) if "flags" in info else set()
+    found = [
+        name
+        for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
+        if flag in flags
+    ]
+    extensions = ", ".join(found) if found else "AVX2 only" if "avx2" in flags else "no AVX2"
+    return f"{model.group(1).strip() if model else platform.processor()} ({extensions})"
 
 
 def sync(device: torch.device) -> None:

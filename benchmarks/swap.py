@@ -29,7 +29,6 @@ Prints a table; writes benchmarks/results/swap-<device>.json (with the load aver
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -43,6 +42,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import cpu_description, write_results  # noqa: E402
 from load import RESULTS, Tally, build_random_model, http_client, ms, pct, prompts, run_clients, start_server  # noqa: E402
 
 from lmops.pipeline.scratch_registry import local_registry  # noqa: E402
@@ -290,6 +290,7 @@ def main() -> None:
         ]
     result["machine"] = {
         "platform": platform.platform(),
+        "cpu": cpu_description(),
         "cpus": os.cpu_count(),
         "device": args.device,
         "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
@@ -299,10 +300,7 @@ def main() -> None:
     for label, a, b in rows:
         print(f"{label:40}{a!s:>12}  {b}")
     print(f"targets: {result['targets']}")
-    output = args.output or RESULTS / f"swap-{args.device}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_results(result, args.output or RESULTS / f"swap-{args.device}.json")
 
 
 if __name__ == "__main__":
