@@ -9,6 +9,7 @@ import torch
 from lmops.runtime.engine import LLMEngine, SamplingParams
 from lmops.runtime.engine import compiled as compiled_module
 from lmops.runtime.engine import engine as engine_module
+from lmops.runtime.engine import scheduler as scheduler_module
 from lmops.runtime.engine.config import EngineConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -54,7 +55,7 @@ def test_padding_rows_leave_the_managed_blocks_alone(compiled_engine, prompts):
     assert scratch == engine.block_manager.num_blocks == engine.pool.num_blocks - 1
     before = engine.pool.kv[:, :, :scratch].clone()
     with torch.inference_mode():  # as the runner calls it (another mode would recompile)
-        engine.runner.decode._run([], 4)
+        engine.runner.decode._run([], 4, 1)
     assert torch.equal(engine.pool.kv[:, :, :scratch], before)
 
 
@@ -128,8 +129,8 @@ def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp
     # A loaded graph is loaded once per process (each load keeps its code for good): a
     # new version of the model, swapped in, calls the same one.
     swapped_in = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
-    assert swapped_in.runner.decode._steps[1] is second.runner.decode._steps[1]
-    assert first.runner.decode._steps[1] is not second.runner.decode._steps[1]
+    assert swapped_in.runner.decode._steps[1, 1] is second.runner.decode._steps[1, 1]
+    assert first.runner.decode._steps[1, 1] is not second.runner.decode._steps[1, 1]
 
     monkeypatch.setattr(compiled_module.torch, "compile", real_compile)
     monkeypatch.setattr(compiled_module, "_LOADED", {})
@@ -170,3 +171,73 @@ def test_plain_greedy_decodes_take_the_graphs_argmax(compiled_engine, prompts, m
     with_logprobs = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
     assert compiled_engine.generate([prompts[3]], with_logprobs)[0].token_ids == plain.token_ids
     assert len(calls) == 1 + GREEDY.max_tokens
+
+
+@pytest.fixture(scope="module")
+def speculative_engine(model_dir):
+    """Drafts of up to 4 tokens: verification graphs of 5 tokens a sequence for 1 and 2
+    sequences (at most 16 rows), plain decode graphs for 1, 2 and 4."""
+    return LLMEngine.from_pretrained(
+        model_dir, device="cpu", max_num_seqs=3, compile=True, num_speculative_tokens=4
+    )
+
+
+def served_by_graphs(engine) -> list[tuple[int, int]]:
+    """(sequences, most new tokens of one) of each step the compiled graphs serve from now on."""
+    served = []
+    run = engine.runner.decode.run
+    engine.runner.decode.run = lambda seqs, num_new: (
+        (r := run(seqs, num_new)) is not None and served.append((len(seqs), max(num_new))) or r
+    )
+    return served
+
+
+def test_drafts_are_verified_by_the_compiled_graph_with_greedys_output(
+    model_dir, speculative_engine, prompts
+):
+    """Echoed prompts (prompt lookup finds drafts, some right and some wrong), alone and two
+    at a time, one of them sampled (its rows go through the sampler, not the argmax): the
+    greedy ones' tokens are eager non-speculative greedy's, the verification steps run
+    through the graphs, and the rejected drafts roll back."""
+    engine = speculative_engine
+    assert engine.runner.decode.verify_sizes == [1, 2] and engine.runner.decode.verify_len == 5
+    served = served_by_graphs(engine)
+    eager = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=False)
+    echoed = [prompts[i] + prompts[i] for i in (2, 5)]
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in eager.generate(echoed, GREEDY)]
+    assert [engine.generate([p], GREEDY)[0].token_ids for p in echoed] == want
+    got = engine.generate(echoed, [GREEDY, seeded])
+    assert got[0].token_ids == want[0] and len(got[1].token_ids) == 20
+    assert {(1, 5), (2, 5)} <= set(served)  # drafting steps of one and of two sequences
+    value = engine.metrics.registry.get_sample_value
+    accepted = value("lmops:spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted < value("lmops:spec_decode_num_draft_tokens_total")
+
+
+def test_right_drafts_are_kept_in_five_graph_calls(model_dir, speculative_engine, prompts, monkeypatch):
+    """Drafts that greedy decoding would produce, of 4 tokens, then of 3 (padded rows): each
+    step after the prefill is one graph call and takes the graph's argmax, 5 calls for the
+    19 tokens after the first."""
+    engine, prompt = speculative_engine, prompts[9]
+    want = (
+        LLMEngine.from_pretrained(model_dir, device="cpu", compile=False)
+        .generate([prompt], GREEDY)[0]
+        .token_ids
+    )
+
+    def propose(token_ids, k):
+        done = len(token_ids) - len(prompt)
+        return want[done:][: min(k, 4 if done < 10 else 3)]
+
+    monkeypatch.setattr(scheduler_module, "ngram_draft", propose)
+    served = served_by_graphs(engine)
+    calls = []
+    real = engine_module.sample
+    monkeypatch.setattr(
+        engine_module, "sample", lambda logits, *a: calls.append(len(logits)) or real(logits, *a)
+    )
+    assert engine.generate([prompt], GREEDY)[0].token_ids == want
+    assert calls == [1]  # the prefill's token; every verification took the graph's argmax
+    # 1 (the prefill) + 5 + 5 + 4 + 4 + 1: the last token has no room for a draft
+    assert [n for _, n in served] == [5, 5, 4, 4, 1]

@@ -53,41 +53,64 @@ _LOADED: dict[str, AOTCompiledFunction] = {}
 
 
 class DecodeAttention:
-    """`PagedAttention` for B single-token decodes, in tensors only (so that it traces).
+    """`PagedAttention` for B decoding sequences of T new tokens each, in tensors only (so
+    that it traces): T is 1 for a plain decode, 1 + K for one verifying a K-token draft.
 
-    It reads the pool but does not write it: each token attends to its cached context plus
-    its own new K/V, which are collected in `new_kv` and written by the caller after the
-    graph (an in-graph write made inductor copy the whole pool layer, every layer).
+    It reads the pool but does not write it: each token attends to its sequence's cached
+    context and, causally, to the step's new K/V, which are collected in `new_kv` and
+    written by the caller after the graph (an in-graph write made inductor copy the whole
+    pool layer, every layer).
     """
 
-    def __init__(self, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor):
+    def __init__(self, kv: torch.Tensor, tables: torch.Tensor, cached: torch.Tensor):
+        """`cached` (B * T,): how many of its sequence's cached keys each row sees."""
         self.kv, self.tables = kv, tables
         self.new_kv: list[torch.Tensor] = []
+        B = tables.shape[0]
+        self.T = T = cached.shape[0] // B
         width = tables.shape[1] * kv.shape[3]
-        # (1, B, 1, keys + 1): cached key j of member b is visible iff j < its context
-        # length - 1 (the positions before the new token); the new token's own key always.
-        valid = torch.arange(width + 1, device=kv.device) < lens[:, None] - 1
-        valid[:, -1] = True
-        self.mask = torch.zeros(valid.shape, dtype=kv.dtype, device=kv.device)
-        self.mask = self.mask.masked_fill(~valid, float("-inf"))[None, :, None]
+        # (B, T, keys + T): cached key j is visible iff j < the row's cached count; the
+        # step's new key t to query i iff t <= i.
+        old = torch.arange(width, device=kv.device) < cached.view(B, T, 1)
+        new = torch.ones(T, T, dtype=torch.bool, device=kv.device).tril().expand(B, T, T)
+        valid = torch.cat((old, new), 2)
+        self.rows = torch.zeros(valid.shape, dtype=kv.dtype, device=kv.device).masked_fill(
+            ~valid, float("-inf")
+        )
+        self.mask: torch.Tensor | None = None  # the rows per query head, at the first layer
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """q: (B, H, D); kv: (B, 2 * Hkv, D) -> (B, H, D)."""
-        B, H, D = q.shape
-        Hkv = kv.shape[1] // 2
-        new = kv.transpose(0, 1)  # (2Hkv, B, D)
+        """q: (B * T, H, D); kv: (B * T, 2 * Hkv, D) -> (B * T, H, D)."""
+        rows, H, D = q.shape
+        T, Hkv = self.T, kv.shape[1] // 2
+        B, G = rows // T, H // Hkv
+        new = kv.transpose(0, 1)  # (2Hkv, B * T, D)
         self.new_kv.append(new)
         ctx = self.kv[layer].index_select(1, self.tables.view(-1)).view(2 * Hkv, B, -1, D)
-        ctx = torch.cat((ctx, new[:, :, None]), 2)
-        qg = q.view(B, Hkv, H // Hkv, D).transpose(0, 1)  # (Hkv, B, G, D)
+        ctx = torch.cat((ctx, new.view(2 * Hkv, B, T, D)), 2)
+        # (Hkv, B, G * T, D): the G query heads x T tokens that share a KV head; the mask's
+        # rows are per token, the same for each of the G heads.
+        qg = q.view(B, T, Hkv, G, D).permute(2, 0, 3, 1, 4).reshape(Hkv, B, G * T, D)
+        if self.mask is None:
+            self.mask = self.rows[:, None].expand(B, G, T, -1).reshape(1, B, G * T, -1)
         y = F.scaled_dot_product_attention(qg, ctx[:Hkv], ctx[Hkv:], attn_mask=self.mask)
-        return y.transpose(0, 1).reshape(B, H, D)
+        return y.view(Hkv, B, G, T, D).permute(1, 3, 0, 2, 4).reshape(rows, H, D)
 
 
 class CompiledDecode:
-    """Decode steps of up to `max(sizes)` sequences through per-size compiled graphs."""
+    """Decode steps of up to `max(sizes)` sequences through per-size compiled graphs; with
+    `num_speculative_tokens` K, also the steps that verify drafts (every sequence a decode
+    with up to K draft tokens), through graphs of 1 + K tokens a sequence for the sizes of
+    at most 16 tokens in all, so that single-stream speculative decoding runs compiled too."""
 
-    def __init__(self, forward: FusedForward, pool: KVPool, scratch_block: int, max_num_seqs: int):
+    def __init__(
+        self,
+        forward: FusedForward,
+        pool: KVPool,
+        scratch_block: int,
+        max_num_seqs: int,
+        num_speculative_tokens: int = 0,
+    ):
         self.forward, self.pool = forward, pool
         self.block_size = pool.block_size
         self.scratch_slot = scratch_block * pool.block_size
@@ -95,6 +118,10 @@ class CompiledDecode:
         # Every size below max_num_seqs, and the first one that holds it.
         self.sizes = [b for b in BATCH_SIZES if b < max_num_seqs]
         self.sizes += [b for b in BATCH_SIZES if b >= max_num_seqs][:1]
+        self.verify_len = 1 + num_speculative_tokens
+        self.verify_sizes = [b for b in self.sizes if b * self.verify_len <= BATCH_SIZES[-1]] * bool(
+            num_speculative_tokens
+        )
         model = forward.model
         self.device = model.lm_head.weight.device
         # One graph per size, compiled ahead of time (`aot_compile`): a step calls its size's
@@ -114,18 +141,21 @@ class CompiledDecode:
 
         self.cache_dir = Path(cache_dir()) / "lmops-decode"
         key = _structure_key(forward, pool)
+        shapes = [(b, 1) for b in self.sizes] + [(b, self.verify_len) for b in self.verify_sizes]
         log.info(
-            "compiling decode for batch sizes %s (on 2 CPU cores: 30-50 s the first time, 2-3 s "
-            "from %s after that; LMOPS_COMPILE=0 skips it)",
-            self.sizes,
+            "compiling decode for (batch size, tokens) %s (on 2 CPU cores: 30-50 s the first time, "
+            "2-3 s from %s after that; LMOPS_COMPILE=0 skips it)",
+            shapes,
             self.cache_dir,
         )
         t = time.perf_counter()
-        self._steps = {b: self._load_or_compile(b, f"{key}-b{b}.bin") for b in self.sizes}
+        self._steps = {
+            (b, n): self._load_or_compile(b, n, f"{key}-b{b}" + f"t{n}" * (n > 1) + ".bin") for b, n in shapes
+        }
         self.compile_seconds = time.perf_counter() - t
-        log.info("compiled decode for batch sizes %s in %.1f s", self.sizes, self.compile_seconds)
+        log.info("compiled decode for %s in %.1f s", shapes, self.compile_seconds)
 
-    def _load_or_compile(self, size: int, name: str) -> AOTCompiledFunction:
+    def _load_or_compile(self, size: int, tokens: int, name: str) -> AOTCompiledFunction:
         """The graph for `size` from the on-disk cache, else compiled and saved there.
         aot_compile bypasses inductor's own cache (it compiled afresh, 30 s for the
         default model's 5 sizes, at every start); a saved graph loads in milliseconds."""
@@ -141,7 +171,7 @@ class CompiledDecode:
             except Exception as exc:  # e.g. truncated by a full disk: compile again
                 log.warning("compiled decode: ignoring unreadable cache %s: %s", path, exc)
         if step is None:
-            meta, tables = self._inputs([], size)
+            meta, tables = self._inputs([], size, tokens)
             torch._dynamo.mark_dynamic(tables, 1)
             with torch.inference_mode():
                 step = self._compiler.aot_compile(((meta, tables), {}))
@@ -156,48 +186,66 @@ class CompiledDecode:
         return step
 
     def _eager_step(self, meta, tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Logits (B, vocab), their argmax (B,) (a greedy row's draw, without the sampler's
-        dispatches), and the step's K/V of every layer, (layers, 2 * Hkv, B, D)."""
+        """Logits (B * T, vocab), their argmax (B * T,) (a greedy row's draw, without the
+        sampler's dispatches), and the step's K/V of every layer, (layers, 2 * Hkv, B * T, D)."""
         attn = DecodeAttention(self.pool.kv, tables, meta[3])
         logits = self.forward.logits(self.forward(meta[0], meta[1], attn))
         return logits, logits.argmax(-1), torch.stack(attn.new_kv)
 
-    def _run(self, seqs: list[Sequence], size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        meta, tables = self._inputs(seqs, size)
-        logits, argmax, new_kv = self._steps[size](self, meta, tables)
+    def _run(self, seqs: list[Sequence], size: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph of (`size`, `tokens`) on `seqs`, padded: logits and argmax of every row;
+        the step's K/V written into the pool."""
+        meta, tables = self._inputs(seqs, size, tokens)
+        logits, argmax, new_kv = self._steps[size, tokens](self, meta, tables)
         kv = self.pool.kv
         L, H2, nb, bs, D = kv.shape
         kv.view(L, H2, nb * bs, D).index_copy_(2, meta[2], new_kv)
-        return logits[: len(seqs)], argmax[: len(seqs)]
+        return logits, argmax
 
-    def _inputs(self, seqs: list[Sequence], size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(4, size): ids, positions, slots, context lengths; (size, width) block tables;
-        padded to `size` rows with rows that read and write only the scratch block."""
-        bs, pad = self.block_size, size - len(seqs)
-        ids, pos, slots, lens, tables = [], [], [], [], []
+    def _inputs(self, seqs: list[Sequence], size: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(4, size * tokens): ids, positions, slots and cached keys seen, `tokens` rows a
+        sequence (its last token, then its draft); (size, width) block tables. Padded, to
+        `tokens` rows a sequence and to `size` sequences, with rows that write only the
+        scratch block (causal attention keeps them out of the real rows)."""
+        bs = self.block_size
+        ids, pos, slots, cached, tables = [], [], [], [], []
         width = 2
         for s in seqs:
-            p = s.num_tokens - 1
-            n = p // bs + 1
-            ids.append(s.token_ids[p])
-            pos.append(p)
-            slots.append(s.block_table[p // bs] * bs + p % bs)
-            lens.append(p + 1)
+            p = s.num_computed_tokens
+            new = [s.token_ids[p], *s.draft]
+            fill = tokens - len(new)
+            ids += new + [0] * fill
+            pos += list(range(p, p + len(new))) + [p] * fill
+            slots += [s.block_table[q // bs] * bs + q % bs for q in range(p, p + len(new))]
+            slots += [self.scratch_slot] * fill
+            cached += [p] * tokens
+            n = (p + len(new) - 1) // bs + 1
             tables.append(s.block_table[:n])
             width = max(width, n)
-        meta = [ids + [0] * pad, pos + [0] * pad, slots + [self.scratch_slot] * pad, lens + [1] * pad]
-        tables += [[]] * pad
+        pad = (size - len(seqs)) * tokens
+        meta = [ids + [0] * pad, pos + [0] * pad, slots + [self.scratch_slot] * pad, cached + [0] * pad]
+        tables += [[]] * (size - len(seqs))
         tables = [t + [self.scratch_block] * (width - len(t)) for t in tables]
         return torch.tensor(meta, device=self.device), torch.tensor(tables, device=self.device)
 
     def run(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Logits (len(seqs), vocab) and their argmax if this is a decode step it serves, else None."""
-        if len(seqs) > self.sizes[-1] or any(n != 1 for n in num_new):
-            return None
+        """If this is a step it serves (every sequence a decode, with or without a draft):
+        logits and their argmax, one row per sequence and draft token, in the runner's
+        order (a sequence's draft rows first, as RunnerOutput); else None."""
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):
             return None
-        size = next(b for b in self.sizes if b >= len(seqs))
-        return self._run(seqs, size)
+        tokens = 1 if all(n == 1 for n in num_new) else self.verify_len
+        sizes = self.sizes if tokens == 1 else self.verify_sizes
+        if not sizes or len(seqs) > sizes[-1] or max(num_new) > tokens:
+            return None
+        size = next(b for b in sizes if b >= len(seqs))
+        logits, argmax = self._run(seqs, size, tokens)
+        if tokens == 1:
+            return logits[: len(seqs)], argmax[: len(seqs)]
+        rows = torch.tensor(
+            [b * tokens + j for b, n in enumerate(num_new) for j in range(n)], device=self.device
+        )
+        return logits[rows], argmax[rows]
 
 
 def _structure_key(forward: FusedForward, pool: KVPool) -> str:

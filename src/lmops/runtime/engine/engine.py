@@ -30,6 +30,7 @@ from lmops.runtime.engine.sampling import (
     SampleResult,
     SamplingParams,
     TokenMasks,
+    greedy_verdict,
     sample,
     seeded_generator,
     speculative_sample,
@@ -138,7 +139,7 @@ class LLMEngine:
             engine_config.scheduling_policy,
             self.draft_model,
         )
-        self.runner = ModelRunner(model, self.pool, compile_up_to)
+        self.runner = ModelRunner(model, self.pool, compile_up_to, engine_config.num_speculative_tokens)
         self.reset_metrics()
         self.requests: dict[str, Request] = {}
         # Drift sampling is systematic (every 1/drift_sample-th request), so runs are reproducible.
@@ -412,7 +413,15 @@ class LLMEngine:
             s.params.plain_greedy and s.grammar is None for s in batch.samples
         ):
             tokens = output.argmax.tolist()
-            return SampleResult([tokens[r] for r in batch.sample_rows], [None] * len(batch.samples))
+            result = SampleResult([tokens[r] for r in batch.sample_rows], [None] * len(batch.samples))
+            for k, (seq, row) in enumerate(zip(batch.samples, batch.sample_rows, strict=True)):
+                if seq.draft:
+                    kept, result.token_ids[k] = greedy_verdict(
+                        tokens[row - len(seq.draft) : row + 1], seq.draft
+                    )
+                    result.accepted[k] = seq.draft[:kept]
+                    self.metrics.on_speculation(len(seq.draft), kept)
+            return result
         logits = output.logits
         if batch.sample_rows != list(range(len(logits))):
             logits = logits[torch.tensor(batch.sample_rows, device=logits.device)]

@@ -149,13 +149,15 @@ class ModelRunner:
     """`compile_up_to` > 0 compiles decode steps of up to that many sequences (compiled.py),
     with the pool's last block, which the block manager must not hand out, as scratch."""
 
-    def __init__(self, model: Llama, pool: KVPool, compile_up_to: int = 0):
+    def __init__(self, model: Llama, pool: KVPool, compile_up_to: int = 0, num_speculative_tokens: int = 0):
         self.model, self.pool = model, pool
         self.forward = FusedForward(model)
         self.decode: CompiledDecode | None = None
         if compile_up_to:
             try:
-                self.decode = CompiledDecode(self.forward, pool, pool.num_blocks - 1, compile_up_to)
+                self.decode = CompiledDecode(
+                    self.forward, pool, pool.num_blocks - 1, compile_up_to, num_speculative_tokens
+                )
             except Exception as exc:  # e.g. no C++ compiler in a slim image: eager still works
                 log.warning("compiled decode unavailable, decoding eagerly: %s", exc)
         param = next(model.parameters())

@@ -445,6 +445,14 @@ def verify_draft(probs: torch.Tensor, draft: list[int], generator: torch.Generat
     return kept, int(race(dist[None], [generator])[0])
 
 
+def greedy_verdict(target: list[int], draft: list[int]) -> tuple[int, int]:
+    """A greedy draft's verdict from `target`, the argmax after the last token and after
+    each draft token: the draft's prefix greedy decoding would have produced too, then
+    greedy's own next token. (kept, next token)."""
+    kept = next((j for j, token in enumerate(draft) if target[j] != token), len(draft))
+    return kept, target[kept]
+
+
 def speculative_sample(
     logits: torch.Tensor,
     seqs: list[SampleInput],
@@ -464,9 +472,7 @@ def speculative_sample(
     out, at = [], 0
     for s, d in zip(seqs, drafts, strict=True):
         if s.params.greedy:
-            target = greedy[at : at + len(d) + 1]
-            kept = next((j for j in range(len(d)) if target[j] != d[j]), len(d))
-            out.append((kept, target[kept]))
+            out.append(greedy_verdict(greedy[at : at + len(d) + 1], d))
         else:
             out.append(verify_draft(probs[at : at + len(d) + 1], d, s.generator))
         at += len(d) + 1
