@@ -2,11 +2,13 @@
 a baseline commit, in one run.
 
     python benchmarks/single_stream.py [--baseline REV] [--threads 1 2] [--rounds 7] [--speculative 4]
-        [--draft-model target|tiny] [--quick]
+        [--draft-model target|tiny] [--model DIR --prompts-from TEXT [--num-prompts 8]] [--quick]
 
 All engines run the same random default-size model (benchmarks/engine.py's, context 1024)
 and the same greedy request (128-token prompt, 128 new tokens, EOS ignored), compiled decode
-on (the default). Each (engine, thread count) is a worker process of its own: the baseline's
+on (the default); or, with `--model` and `--prompts-from`, a trained model on prompts taken
+from a text file (the corpus's test split: code completions of the default corpus), each
+prompt once a round. Each (engine, thread count) is a worker process of its own: the baseline's
 with `git archive REV src` on its PYTHONPATH, so each loads its own `lmops`; inductor's
 graphs are compiled for one thread count, hence a worker per count. The workers take turns
 request by request for `--rounds` rounds (medians), so load from other jobs falls on all alike.
@@ -57,10 +59,10 @@ def worker(model_dir: Path, threads: int, speculative: int, draft_dir: Path | No
     if draft_dir is not None:
         spec["speculative_model"] = str(draft_dir)
     engine = LLMEngine.from_pretrained(model_dir, device="cpu", compile=True, drift_sample=0, **spec)
-    prompt = [3 + (7 * i) % 4000 for i in range(PROMPT_LEN)]
     print(json.dumps({"ready": True, "compiled": engine.runner.decode is not None}), flush=True)
     for i, line in enumerate(sys.stdin):
-        new = json.loads(line)["new"]
+        ask = json.loads(line)
+        prompt, new = ask["prompt"], ask["new"]
         engine.reset_metrics()
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
         (out,) = engine.step()  # the prefill and the first token
@@ -97,14 +99,31 @@ class Worker:
             raise RuntimeError(f"worker exited with {self.proc.wait()}")
         return json.loads(line)
 
-    def run(self, new: int) -> dict:
-        self.proc.stdin.write(json.dumps({"new": new}) + "\n")
+    def run(self, prompt: list[int], new: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "new": new}) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
+
+
+def text_prompts(model_dir: Path, path: Path, count: int) -> list[list[int]]:
+    """`count` prompts of PROMPT_LEN tokens from `path`, spread evenly through it, each
+    starting at the beginning of a line (code completions where the file is code)."""
+    from lmops.runtime.tokenizer import load_tokenizer
+
+    text = path.read_text(encoding="utf-8")
+    tokenizer = load_tokenizer(model_dir)
+    prompts = []
+    for k in range(count):
+        start = text.find("\n", k * len(text) // count) + 1
+        ids = tokenizer.encode(text[start : start + 8 * PROMPT_LEN], add_special_tokens=False).ids
+        if len(ids) < PROMPT_LEN:
+            raise SystemExit(f"{path}: too little text after offset {start} for a {PROMPT_LEN}-token prompt")
+        prompts.append(ids[:PROMPT_LEN])
+    return prompts
 
 
 def checkout(rev: str, into: Path) -> Path:
@@ -143,6 +162,16 @@ def main(argv: list[str] | None = None) -> dict | None:
         choices=["target", "tiny"],
         help="with --speculative: drafts from a draft model (the target itself, or a tiny random one)",
     )
+    ap.add_argument(
+        "--model", type=Path, help="a trained model directory (an export) instead of the random one"
+    )
+    ap.add_argument(
+        "--prompts-from",
+        type=Path,
+        help="a text file (such as the corpus's test split) to take --num-prompts prompts from, "
+        "each starting at a line, instead of the one synthetic prompt",
+    )
+    ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="2 rounds, 1 thread")
     ap.add_argument("--out", type=Path, default=RESULTS / "single-stream-cpu.json")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -161,10 +190,17 @@ def main(argv: list[str] | None = None) -> dict | None:
         "prompt_tokens": PROMPT_LEN,
         "new_tokens": new,
         "draft_model": args.draft_model,
+        "model": str(args.model) if args.model else "random, default size",
+        "prompts_from": str(args.prompts_from) if args.prompts_from else None,
     }
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_random_model(Path(tmp) / "model", 1024)
+        model_dir = args.model or build_random_model(Path(tmp) / "model", 1024)
+        prompts = (
+            text_prompts(model_dir, args.prompts_from, args.num_prompts)
+            if args.prompts_from
+            else [[3 + (7 * i) % 4000 for i in range(PROMPT_LEN)]]
+        )
         draft_dir = {"target": model_dir, None: None}.get(args.draft_model)
         if args.draft_model == "tiny":
             draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE)
@@ -178,15 +214,21 @@ def main(argv: list[str] | None = None) -> dict | None:
             }
             runs: dict[str, list[dict]] = {name: [] for name in workers}
             for _ in range(args.rounds):
-                for name, w in workers.items():
-                    runs[name].append(w.run(new))
+                for k, prompt in enumerate(prompts):
+                    for name, w in workers.items():
+                        runs[name].append(w.run(prompt, new) | {"prompt": k})
             for w in workers.values():
                 w.close()
-            tokens = [x.pop("tokens") for r in runs.values() for x in r]
-            assert all(t == tokens[0] for t in tokens), "the engines' greedy tokens differ"
+            for k in range(len(prompts)):
+                tokens = [x["tokens"] for r in runs.values() for x in r if x["prompt"] == k]
+                assert all(t == tokens[0] for t in tokens), f"the engines' greedy tokens differ on prompt {k}"
+            for r in runs.values():
+                for x in r:
+                    del x["tokens"]
             row: dict = {"compiled": {n: w.hello["compiled"] for n, w in workers.items()}}
             for name, r in runs.items():
-                row[name] = {key: statistics.median(x[key] for x in r) for key in r[0]} | {"runs": r}
+                medians = {key: statistics.median(x[key] for x in r) for key in r[0] if key != "prompt"}
+                row[name] = medians | {"runs": r}
             res["by_threads"][str(threads)] = row
     res["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     print(table(res))
