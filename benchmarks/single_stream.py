@@ -19,8 +19,9 @@ adds a third worker: the engine as it is with `num_speculative_tokens=K` (and it
 acceptance rate: accepted / drafted tokens); with `--draft-model` its drafts come from a draft
 model instead of prompt lookup: `target` (the benchmark's model as its own draft: every
 draft kept, so it measures what drafting costs) or `tiny` (a random tiny model with the same
-tokenizer: nearly every draft rejected). Every worker's
-greedy tokens must be the baseline's. Writes benchmarks/results/single-stream-cpu.json.
+tokenizer: nearly every draft rejected). `--ctranslate2` adds CTranslate2's Generator
+on the same model (fp32, converted by its own Transformers converter; greedy through
+`generate_tokens`). Every worker's greedy tokens must be the baseline's. Writes benchmarks/results/single-stream-cpu.json.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ REPO = Path(__file__).resolve().parents[1]
 # The engine before issue 34 (the four-verb step, one forward, the latency work).
 BASELINE = "6045f25"
 PROMPT_LEN = 128
-ENGINES = ("baseline", "now", "speculative")
+ENGINES = ("baseline", "now", "speculative", "ctranslate2")
 
 
 def worker(model_dir: Path, threads: int, speculative: int, draft_dir: Path | None) -> None:
-    """Serve requests from stdin (one JSON line: new tokens), answer one JSON line each."""
+    """Serve requests from stdin (one JSON line: prompt ids and new tokens), answer one JSON
+    line each."""
     import torch
 
     torch.set_num_threads(threads)
@@ -83,13 +85,67 @@ def worker(model_dir: Path, threads: int, speculative: int, draft_dir: Path | No
         print(json.dumps({**result, "tokens": out.token_ids}), flush=True)
 
 
+def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int) -> None:
+    """`worker` for CTranslate2's Generator (fp32, greedy, EOS ignored): the same protocol,
+    the same figures, timed at the tokens its `generate_tokens` streams."""
+    import ctranslate2
+
+    from lmops.runtime.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    generator = ctranslate2.Generator(
+        str(ct2_dir), device="cpu", intra_threads=threads, compute_type="float32"
+    )
+    print(json.dumps({"ready": True, "compiled": False}), flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        prompt, new = [tokenizer.id_to_token(i) for i in ask["prompt"]], ask["new"]
+        start, times, tokens = time.perf_counter(), [], []
+        for step in generator.generate_tokens(prompt, max_length=new, sampling_topk=1, end_token=[]):
+            times.append(time.perf_counter())
+            tokens.append(step.token_id)
+            if len(times) == 1:
+                cpu = time.process_time()
+        cpu = time.process_time() - cpu
+        result = {
+            "decode_tok_s": (new - 1) / (times[-1] - times[0]),
+            "decode_cpu_tok_s": (new - 1) / cpu,
+            "ttft_ms": 1000 * (times[0] - start),
+        }
+        print(json.dumps({**result, "tokens": tokens}), flush=True)
+
+
+def convert_to_ctranslate2(model_dir: Path, out: Path) -> Path:
+    """The model in CTranslate2's format (fp32), by its own Transformers converter."""
+    try:
+        from ctranslate2.converters import TransformersConverter
+    except ImportError:
+        raise SystemExit(
+            "--ctranslate2 needs CTranslate2: pip install -r benchmarks/requirements.txt"
+        ) from None
+    TransformersConverter(str(model_dir)).convert(str(out), force=True)
+    return out
+
+
 class Worker:
-    def __init__(self, src: Path, model_dir: Path, threads: int, speculative: int, draft_dir: Path | None):
+    def __init__(
+        self,
+        src: Path,
+        model_dir: Path,
+        threads: int,
+        speculative: int,
+        draft_dir: Path | None,
+        ct2_dir: Path | None = None,
+    ):
+        """An lmops worker with `src` on its path; with `ct2_dir` (`convert_to_ctranslate2`), a
+        CTranslate2 one."""
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, __file__, "--worker", str(model_dir), "--threads", str(threads)]
         cmd += ["--speculative", str(speculative)]
         if speculative and draft_dir is not None:
             cmd += ["--draft-dir", str(draft_dir)]
+        if ct2_dir is not None:
+            cmd += ["--ctranslate2-dir", str(ct2_dir)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         self.hello = self._read()
 
@@ -172,11 +228,19 @@ def main(argv: list[str] | None = None) -> dict | None:
         "each starting at a line, instead of the one synthetic prompt",
     )
     ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument(
+        "--ctranslate2",
+        action="store_true",
+        help="also CTranslate2 fp32 on the same model (benchmarks/requirements.txt)",
+    )
     ap.add_argument("--quick", action="store_true", help="2 rounds, 1 thread")
     ap.add_argument("--out", type=Path, default=RESULTS / "single-stream-cpu.json")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--draft-dir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--ctranslate2-dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker and args.ctranslate2_dir:
+        return ctranslate2_worker(args.ctranslate2_dir, args.worker, args.threads[0])
     if args.worker:
         return worker(args.worker, args.threads[0], args.speculative, args.draft_dir)
     if args.draft_model and not args.speculative:
@@ -204,13 +268,20 @@ def main(argv: list[str] | None = None) -> dict | None:
         draft_dir = {"target": model_dir, None: None}.get(args.draft_model)
         if args.draft_model == "tiny":
             draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE)
-        sources = {"baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0), "now": (REPO / "src", 0)}
+        # name -> (lmops source, draft tokens, a CTranslate2 model)
+        sources = {
+            "baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0, None),
+            "now": (REPO / "src", 0, None),
+        }
         if args.speculative:
-            sources["speculative"] = (REPO / "src", args.speculative)
+            sources["speculative"] = (REPO / "src", args.speculative, None)
+        if args.ctranslate2:
+            sources["ctranslate2"] = (REPO / "src", 0, convert_to_ctranslate2(model_dir, Path(tmp) / "ct2"))
         res["by_threads"] = {}
         for threads in args.threads:
             workers = {
-                name: Worker(src, model_dir, threads, k, draft_dir) for name, (src, k) in sources.items()
+                name: Worker(src, model_dir, threads, k, draft_dir, ct2)
+                for name, (src, k, ct2) in sources.items()
             }
             runs: dict[str, list[dict]] = {name: [] for name in workers}
             for _ in range(args.rounds):
