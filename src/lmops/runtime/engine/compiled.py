@@ -1,8 +1,10 @@
 """The compiled decode step: a pure-decode batch padded up to one of a few batch sizes, each
 compiled once at engine start, so a step runs as one generated kernel sequence instead of
 a few hundred eagerly dispatched small ops (at batch 1 a decode step is mostly that
-overhead; see benchmarks/README.md). Any other step (prefills, mixed batches, more
-sequences than the largest size) takes the runner's eager path.
+overhead; see benchmarks/README.md). With speculative decoding, a step whose decodes
+carry drafts runs through graphs of 1 + K tokens a sequence the same way (each token sees
+its sequence's cache and, causally, the step's earlier tokens). Any other step (prefills,
+mixed batches, more sequences than the largest size) takes the runner's eager path.
 
 CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs
 for the GPU are not written yet (nothing here could test them), so CUDA stays eager.
