@@ -1,6 +1,6 @@
 """Engine benchmark: lmops' LLMEngine against transformers' generate() on the same weights.
 
-    python benchmarks/engine.py [--model DIR] [--quick] [--device auto|cpu|cuda]
+    python benchmarks/engine.py [--model DIR] [--quick] [--device auto|cpu|cuda] [--ctranslate2]
 
 Without --model it builds a randomly initialised model of the default size (vocab 4096,
 4 layers, 6 heads, 2 KV heads, 192 wide, MLP 512) with max_position_embeddings 1024,
@@ -11,7 +11,9 @@ Workloads (issue 3):
   A  1 request, 128-token prompt, 128 new tokens: decode tokens/s vs HF generate (KV cache),
      with the eager and the compiled decode path (engine/compiled.py) taking turns.
   B  64 requests, prompts 16-512 tokens, 128 new tokens: output tokens/s vs HF one by one
-     and vs HF in left-padded static batches of 16.
+     and vs HF in left-padded static batches of 16 (and with --ctranslate2, CPU only, vs
+     CTranslate2's generate_batch in fp32 and int8, counting the requests whose greedy
+     tokens equal ours).
   C  32 requests sharing a 512-token prefix + 16 own tokens: median TTFT, prefix caching
      on vs off (all submitted at once).
   D  during B: KV memory in allocated blocks / memory that real tokens occupy.
@@ -123,6 +125,48 @@ class HF:
         return time.perf_counter() - t
 
 
+def convert_to_ctranslate2(model_dir: Path, out: Path) -> Path:
+    """The model in CTranslate2's format (fp32 weights; int8 is chosen at load), by
+    CTranslate2's own Transformers converter."""
+    try:
+        from ctranslate2.converters import TransformersConverter
+    except ImportError:
+        raise SystemExit(
+            "--ctranslate2 needs CTranslate2: pip install -r benchmarks/requirements.txt"
+        ) from None
+    TransformersConverter(str(model_dir)).convert(str(out), force=True)
+    return out
+
+
+class CT2:
+    """CTranslate2's Generator on the CPU, greedy, exactly `new` tokens (EOS ignored)."""
+
+    def __init__(self, ct2_dir: Path, model_dir: Path, compute_type: str, threads: int):
+        import ctranslate2
+
+        from lmops.runtime.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(model_dir)
+        self.generator = ctranslate2.Generator(
+            str(ct2_dir), device="cpu", compute_type=compute_type, intra_threads=threads
+        )
+
+    def generate(self, batch: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+        """Seconds for one generate_batch() over all of `batch`, and its new tokens."""
+        prompts = [[self.tokenizer.id_to_token(i) for i in p] for p in batch]
+        t = time.perf_counter()
+        results = self.generator.generate_batch(
+            prompts,
+            max_length=new,
+            min_length=new,
+            sampling_topk=1,
+            end_token=[],
+            include_prompt_in_result=False,
+        )
+        seconds = time.perf_counter() - t
+        return seconds, [r.sequences_ids[0] for r in results]
+
+
 def make_engine(model_dir: Path, device: str, **kw) -> LLMEngine:
     engine = LLMEngine.from_pretrained(model_dir, device=device, **kw)
     engine.generate([[5] * 20], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
@@ -160,7 +204,15 @@ def workload_a(engines: dict[str, LLMEngine], hf: HF, prompt_len: int, new: int,
 
 
 def workload_b(
-    engine: LLMEngine, hf: HF, n_req: int, lo: int, hi: int, new: int, hf_one_by_one: int, rounds: int
+    engine: LLMEngine,
+    hf: HF,
+    n_req: int,
+    lo: int,
+    hi: int,
+    new: int,
+    hf_one_by_one: int,
+    rounds: int,
+    ct2: dict[str, CT2] | None = None,
 ) -> dict:
     rng = random.Random(2)
     V = engine.model_config.vocab_size
@@ -181,7 +233,10 @@ def workload_b(
     engine.step = measured_step
     # Ours and HF's padded batches alternate for `rounds` rounds (medians), so that load from
     # other jobs on a shared machine falls on both alike.
+    # CTranslate2 (--ctranslate2) takes its turn in each round too, the whole batch at once.
     ours, padded = [], []
+    ct2_rounds: dict[str, list[float]] = {name: [] for name in ct2 or {}}
+    agree: dict[str, int] = {}
     for _ in range(rounds):
         t = time.perf_counter()
         outs = engine.generate(prompts, greedy(new))
@@ -190,6 +245,11 @@ def workload_b(
         assert all(len(o.token_ids) == new for o in outs)
         t_pad = sum(hf.generate(prompts[i : i + 16], new) for i in range(0, n_req, 16))
         padded.append(n_req * new / t_pad)
+        for name, generator in (ct2 or {}).items():
+            seconds, tokens = generator.generate(prompts, new)
+            assert all(len(t) == new for t in tokens)
+            ct2_rounds[name].append(n_req * new / seconds)
+            agree[name] = sum(t == o.token_ids for t, o in zip(tokens, outs, strict=True))
     ours_tps, hf_pad = statistics.median(ours), statistics.median(padded)
     peak_i = max(range(len(alloc)), key=lambda i: real[i])
     # HF one request at a time, once (it is slow; --quick: only the first few, per token).
@@ -210,6 +270,15 @@ def workload_b(
         "speedup_vs_one_by_one": ours_tps / hf_seq,
         "speedup_vs_padded16": ours_tps / hf_pad,
         "targets": [8.0, 2.0],
+        "ctranslate2": {
+            name: {
+                "tok_s": statistics.median(r),
+                "tok_s_rounds": r,
+                "engine_over_ct2": ours_tps / statistics.median(r),
+                "greedy_same_as_engine": f"{agree[name]}/{n_req}",
+            }
+            for name, r in ct2_rounds.items()
+        },
         "kv_waste": {
             "allocated_over_real": sum(alloc) / sum(real),
             "at_peak_allocated_over_real": alloc[peak_i] / real[peak_i],
@@ -395,6 +464,16 @@ def table(r: dict) -> str:
             f"{b['speedup_vs_padded16']:.2f}x",
             ">= 2x",
         ),
+        *(
+            (
+                f"B: output tok/s, vs CTranslate2 {name}",
+                f"{b['engine_tok_s']:.0f}",
+                f"{x['tok_s']:.0f} (same greedy {x['greedy_same_as_engine']})",
+                f"{x['engine_over_ct2']:.2f}x",
+                "> 1x",
+            )
+            for name, x in b["ctranslate2"].items()
+        ),
         (
             "C: median TTFT, prefix cache on/off",
             f"{c['on']['median_ttft_s'] * 1000:.0f} ms",
@@ -469,6 +548,11 @@ def main(argv: list[str] | None = None) -> dict:
         default=3,
         help="B: alternating rounds of lmops and HF padded batches; medians reported",
     )
+    ap.add_argument(
+        "--ctranslate2",
+        action="store_true",
+        help="B: also CTranslate2 fp32 and int8 on the same model, CPU (benchmarks/requirements.txt)",
+    )
     ap.add_argument("--out", type=Path, help="JSON path (default results/engine-<device>.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -523,7 +607,11 @@ def main(argv: list[str] | None = None) -> dict:
     n_b = 16 if q else 64
     one_by_one = args.hf_one_by_one or (4 if q else n_b)
     b_engine = make_engine(model_dir, args.device)
-    res["B"] = workload_b(b_engine, hf, n_b, 16, hi, new, one_by_one, rounds=1 if q else args.rounds)
+    ct2 = None
+    if args.ctranslate2:
+        ct2_dir = convert_to_ctranslate2(model_dir, Path(tempfile.mkdtemp()) / "ct2")
+        ct2 = {kind: CT2(ct2_dir, model_dir, kind, args.threads) for kind in ("float32", "int8")}
+    res["B"] = workload_b(b_engine, hf, n_b, 16, hi, new, one_by_one, rounds=1 if q else args.rounds, ct2=ct2)
     res["B"]["compiled_decode"] = b_engine.runner.decode is not None
     res["C"] = workload_c(model_dir, args.device, 8 if q else 32, min(512, ctx - 16 - 16), 16, 16)
     if decode:

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine import RESULTS, build_random_model, write_results
+from engine import RESULTS, build_random_model, convert_to_ctranslate2, write_results
 
 from lmops.runtime.model_config import TINY_SHAPE
 
@@ -113,18 +113,6 @@ def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int) -> None:
             "ttft_ms": 1000 * (times[0] - start),
         }
         print(json.dumps({**result, "tokens": tokens}), flush=True)
-
-
-def convert_to_ctranslate2(model_dir: Path, out: Path) -> Path:
-    """The model in CTranslate2's format (fp32), by its own Transformers converter."""
-    try:
-        from ctranslate2.converters import TransformersConverter
-    except ImportError:
-        raise SystemExit(
-            "--ctranslate2 needs CTranslate2: pip install -r benchmarks/requirements.txt"
-        ) from None
-    TransformersConverter(str(model_dir)).convert(str(out), force=True)
-    return out
 
 
 class Worker:
