@@ -64,8 +64,9 @@ class DecodeAttention:
     pool layer, every layer).
     """
 
-    def __init__(self, kv: torch.Tensor, tables: torch.Tensor, cached: torch.Tensor):
-        """`cached` (B * T,): how many of its sequence's cached keys each row sees."""
+    def __init__(self, kv: torch.Tensor, tables: torch.Tensor, cached: torch.Tensor, groups: int):
+        """`cached` (B * T,): how many of its sequence's cached keys each row sees; `groups`
+        query heads share a KV head."""
         self.kv, self.tables = kv, tables
         self.new_kv: list[torch.Tensor] = []
         B = tables.shape[0]
@@ -76,10 +77,9 @@ class DecodeAttention:
         old = torch.arange(width, device=kv.device) < cached.view(B, T, 1)
         new = torch.ones(T, T, dtype=torch.bool, device=kv.device).tril().expand(B, T, T)
         valid = torch.cat((old, new), 2)
-        self.rows = torch.zeros(valid.shape, dtype=kv.dtype, device=kv.device).masked_fill(
-            ~valid, float("-inf")
-        )
-        self.mask: torch.Tensor | None = None  # the rows per query head, at the first layer
+        rows = torch.zeros(valid.shape, dtype=kv.dtype, device=kv.device).masked_fill(~valid, float("-inf"))
+        # The query rows are (head, token) pairs: each token's row, the same for its G heads.
+        self.mask = rows[:, None].expand(B, groups, T, -1).reshape(1, B, groups * T, -1)
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """q: (B * T, H, D); kv: (B * T, 2 * Hkv, D) -> (B * T, H, D)."""
@@ -90,11 +90,8 @@ class DecodeAttention:
         self.new_kv.append(new)
         ctx = self.kv[layer].index_select(1, self.tables.view(-1)).view(2 * Hkv, B, -1, D)
         ctx = torch.cat((ctx, new.view(2 * Hkv, B, T, D)), 2)
-        # (Hkv, B, G * T, D): the G query heads x T tokens that share a KV head; the mask's
-        # rows are per token, the same for each of the G heads.
+        # (Hkv, B, G * T, D): the G query heads x T tokens that share a KV head.
         qg = q.view(B, T, Hkv, G, D).permute(2, 0, 3, 1, 4).reshape(Hkv, B, G * T, D)
-        if self.mask is None:
-            self.mask = self.rows[:, None].expand(B, G, T, -1).reshape(1, B, G * T, -1)
         y = F.scaled_dot_product_attention(qg, ctx[:Hkv], ctx[Hkv:], attn_mask=self.mask)
         return y.view(Hkv, B, G, T, D).permute(1, 3, 0, 2, 4).reshape(rows, H, D)
 
@@ -121,8 +118,10 @@ class CompiledDecode:
         self.sizes = [b for b in BATCH_SIZES if b < max_num_seqs]
         self.sizes += [b for b in BATCH_SIZES if b >= max_num_seqs][:1]
         self.verify_len = 1 + num_speculative_tokens
-        self.verify_sizes = [b for b in self.sizes if b * self.verify_len <= BATCH_SIZES[-1]] * bool(
-            num_speculative_tokens
+        self.verify_sizes = (
+            [b for b in self.sizes if b * self.verify_len <= BATCH_SIZES[-1]]
+            if num_speculative_tokens
+            else []
         )
         model = forward.model
         self.device = model.lm_head.weight.device
@@ -190,7 +189,8 @@ class CompiledDecode:
     def _eager_step(self, meta, tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Logits (B * T, vocab), their argmax (B * T,) (a greedy row's draw, without the
         sampler's dispatches), and the step's K/V of every layer, (layers, 2 * Hkv, B * T, D)."""
-        attn = DecodeAttention(self.pool.kv, tables, meta[3])
+        groups = self.forward.n_head // self.forward.n_kv
+        attn = DecodeAttention(self.pool.kv, tables, meta[3], groups)
         logits = self.forward.logits(self.forward(meta[0], meta[1], attn))
         return logits, logits.argmax(-1), torch.stack(attn.new_kv)
 
