@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -150,6 +151,14 @@ class CT2:
         self.generator = ctranslate2.Generator(
             str(ct2_dir), device="cpu", compute_type=compute_type, intra_threads=threads
         )
+
+    def stream(self, prompt: list[int], new: int) -> Iterator[int]:
+        """One request through `generate_tokens`: its tokens, as they come."""
+        prompt_tokens = [self.tokenizer.id_to_token(i) for i in prompt]
+        for step in self.generator.generate_tokens(
+            prompt_tokens, max_length=new, sampling_topk=1, end_token=[]
+        ):
+            yield step.token_id
 
     def generate(self, batch: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
         """Seconds for one generate_batch() over all of `batch`, and its new tokens."""

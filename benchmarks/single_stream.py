@@ -86,30 +86,24 @@ def worker(model_dir: Path, threads: int, speculative: int, draft_dir: Path | No
 
 
 def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int) -> None:
-    """`worker` for CTranslate2's Generator (fp32, greedy, EOS ignored): the same protocol,
-    the same figures, timed at the tokens its `generate_tokens` streams."""
-    import ctranslate2
+    """`worker` for CTranslate2's Generator (engine.py's CT2: fp32, greedy, EOS ignored): the
+    same protocol, the same figures, timed at the tokens its `generate_tokens` streams."""
+    from engine import CT2
 
-    from lmops.runtime.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
-    generator = ctranslate2.Generator(
-        str(ct2_dir), device="cpu", intra_threads=threads, compute_type="float32"
-    )
+    ct2 = CT2(ct2_dir, model_dir, "float32", threads)
     print(json.dumps({"ready": True, "compiled": False}), flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
-        prompt, new = [tokenizer.id_to_token(i) for i in ask["prompt"]], ask["new"]
+        new = ask["new"]
         start, times, tokens = time.perf_counter(), [], []
-        for step in generator.generate_tokens(prompt, max_length=new, sampling_topk=1, end_token=[]):
+        for token in ct2.stream(ask["prompt"], new):
             times.append(time.perf_counter())
-            tokens.append(step.token_id)
+            tokens.append(token)
             if len(times) == 1:
                 cpu = time.process_time()
-        cpu = time.process_time() - cpu
         result = {
             "decode_tok_s": (new - 1) / (times[-1] - times[0]),
-            "decode_cpu_tok_s": (new - 1) / cpu,
+            "decode_cpu_tok_s": (new - 1) / (time.process_time() - cpu),
             "ttft_ms": 1000 * (times[0] - start),
         }
         print(json.dumps({**result, "tokens": tokens}), flush=True)
