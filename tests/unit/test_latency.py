@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
 from lmops.pipeline.latency import MAX_TOKENS, PROMPTS, _round, _Samples, check_ratio, compare
 from lmops.runtime.engine import LLMEngine
 from tests.conftest import make_tiny_model_dir
+from tests.slow_candidate import slow_down
 
 STATS = ("ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "tokens_per_s")
 
@@ -18,7 +18,7 @@ def engine(directory) -> LLMEngine:
     return LLMEngine.from_pretrained(directory, device="cpu", compile=False)
 
 
-def test_a_model_against_itself_is_about_as_fast(tmp_path):
+def test_a_model_against_itself_gets_every_statistic(tmp_path):
     d = make_tiny_model_dir(tmp_path / "model")
     result = compare(engine(d), engine(d))
     assert result["rounds"] == 3
@@ -27,26 +27,16 @@ def test_a_model_against_itself_is_about_as_fast(tmp_path):
         assert all(math.isfinite(v) and v > 0 for v in result[side].values())
     assert set(result["ratios"]) == set(STATS)
     assert all(math.isfinite(v) and v > 0 for v in result["ratios"].values())
+    # No bound on the ratio itself: a model against itself measured 3.2x on a loaded 2-core
+    # machine. Its orientation is test_a_slower_candidate_is_refused_only_when_a_limit_is_set's.
     assert result["ratio"] == result["ratios"]["tokens_per_s"]
-    assert 0.5 < result["ratio"] < 2
+    assert result["ratio"] == result["champion"]["tokens_per_s"] / result["candidate"]["tokens_per_s"]
 
 
 def test_a_slower_candidate_is_refused_only_when_a_limit_is_set(tmp_path):
-    """The candidate is the champion's own model with 50 ms of sleep before every step.
-
-    Sleep adds wall time whatever else the machine runs; a structurally slower model did
-    not: 4x the layers once measured 0.92x under -n 2 on a 2-core machine, as a preempted
-    champion round costs more than the extra layers. Here the champion would need rounds
-    some 20x slower than its unloaded ~0.1 s to hide a 1.5x gap."""
+    """The candidate is the champion's own model, slowed by sleep (tests/slow_candidate.py)."""
     d = make_tiny_model_dir(tmp_path / "model")
-    champion, candidate = engine(d), engine(d)
-    step = candidate.step
-
-    def slow_step():
-        time.sleep(0.05)
-        return step()
-
-    candidate.step = slow_step
+    champion, candidate = engine(d), slow_down(engine(d))
     result = compare(candidate, champion, rounds=2)
     assert result["ratio"] > 1.5
     assert result["ratios"]["itl_p50"] > 1.5 and result["ratios"]["ttft_p50"] > 1.5

@@ -416,11 +416,8 @@ class LLMEngine:
             result = SampleResult([tokens[r] for r in batch.sample_rows], [None] * len(batch.samples))
             for k, (seq, row) in enumerate(zip(batch.samples, batch.sample_rows, strict=True)):
                 if seq.draft:
-                    kept, result.token_ids[k] = greedy_verdict(
-                        tokens[row - len(seq.draft) : row + 1], seq.draft
-                    )
-                    result.accepted[k] = seq.draft[:kept]
-                    self.metrics.on_speculation(len(seq.draft), kept)
+                    verdict = greedy_verdict(tokens[row - len(seq.draft) : row + 1], seq.draft)
+                    self._keep(result, k, seq.draft, *verdict)
             return result
         logits = output.logits
         if batch.sample_rows != list(range(len(logits))):
@@ -447,10 +444,15 @@ class LLMEngine:
         ]
         rows_t = torch.tensor(rows, device=logits.device)
         verdicts = speculative_sample(logits[rows_t], seqs, [s.draft for s in seqs], self.eos_token_ids)
-        for k, seq, (kept, token) in zip(drafted, seqs, verdicts, strict=True):
-            result.accepted[k] = seq.draft[:kept]
-            result.token_ids[k] = token
-            self.metrics.on_speculation(len(seq.draft), kept)
+        for k, seq, verdict in zip(drafted, seqs, verdicts, strict=True):
+            self._keep(result, k, seq.draft, *verdict)
+
+    def _keep(self, result: SampleResult, k: int, draft: list[int], kept: int, token: int) -> None:
+        """Sample `k` keeps the first `kept` tokens of its draft, then `token` (the verified
+        model's own next one); the acceptance counts towards /metrics."""
+        result.accepted[k] = draft[:kept]
+        result.token_ids[k] = token
+        self.metrics.on_speculation(len(draft), kept)
 
     def _record(self, batch: ScheduledBatch, update: StepUpdate, t: float) -> None:
         """The step's metrics: tokens, prompts scored whole (the drift signal), finished
