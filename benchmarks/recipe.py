@@ -3,7 +3,7 @@ against params.yaml's defaults and variants of them (Muon with cosine or wsd, an
 head), at equal steps, in the same run.
 
     python benchmarks/recipe.py [--steps 300] [--max-bytes 8000000] [--corpus stdlib|shakespeare]
-        [--recipes NAME ...] [--muon-lr LR] [--other-muon-lrs LR ...] [--eval-interval 25]
+        [--recipes NAME ...] [--muon-lr LR] [--other-muon-lrs LR ...] [--eval-interval 25] [--seed 1337]
         [--out benchmarks/results/recipe-cpu.json]
 
 One project in a temporary directory: params.yaml's defaults (the default corpus capped at
@@ -56,7 +56,7 @@ def recipes(muon_lr: float, other_lrs: list[float]) -> dict[str, dict]:
         },
         "untied head": {"model": {"tie_embeddings": False}},
         "zero-init projections": {"ablation": "zero_init"},
-        "qk-norm": {"ablation": "qk_norm"},
+        "qk-norm": {"model": {"qk_norm": True}},
     }
 
 
@@ -73,6 +73,7 @@ def base_params(args: argparse.Namespace) -> dict:
         checkpoint_interval=args.steps,
         eval_interval=args.eval_interval,
         threads=args.threads,
+        seed=args.seed,
     )
     return base
 
@@ -113,29 +114,7 @@ def zero_init_projections() -> None:
     model.Llama.__init__ = patched
 
 
-def qk_norm() -> None:
-    """Qwen3's QK-norm: an RMSNorm over each head's queries and keys, before RoPE."""
-    from lmops.runtime import model
-
-    init = model.Attention.__init__
-
-    def patched_init(self, cfg, layer):
-        init(self, cfg, layer)
-        self.q_norm = model.RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.k_norm = model.RMSNorm(cfg.head_dim, cfg.norm_eps)
-
-    def forward(self, x, cos, sin, cache):
-        B, T, _ = x.shape
-        q = model.apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)), cos, sin)
-        k = model.apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
-        y = model.causal_attention(q, k, v, self.attention_dropout if self.training else 0.0)
-        return torch.nn.functional.dropout(self.o_proj(y.reshape(B, T, -1)), self.dropout, self.training)
-
-    model.Attention.__init__, model.Attention.forward = patched_init, forward
-
-
-ABLATIONS = {"none": lambda: None, "zero_init": zero_init_projections, "qk_norm": qk_norm}
+ABLATIONS = {"none": lambda: None, "zero_init": zero_init_projections}
 
 
 def worker(ablation: str) -> None:
@@ -230,11 +209,14 @@ def main() -> int:
         "--no-baseline", action="store_true", help="the recipes alone (ratios against the first of them)"
     )
     parser.add_argument("--threads", type=int, default=0, help="train.threads (0: torch's default)")
+    parser.add_argument("--seed", type=int, default=1337, help="train.seed (init, batches, dropout)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/recipe-cpu.json")
     args = parser.parse_args()
     earlier = json.loads(args.baseline_from.read_text()) if args.baseline_from else None
     if earlier and (earlier["args"]["corpus"], earlier["args"]["max_bytes"]) != (args.corpus, args.max_bytes):
         parser.error(f"--baseline-from {args.baseline_from}: another corpus ({earlier['args']})")
+    if earlier and earlier["args"].get("seed", 1337) != args.seed:
+        parser.error(f"--baseline-from {args.baseline_from}: another seed ({earlier['args']})")
     base = base_params(args)
     muon_lr = args.muon_lr if args.muon_lr is not None else base["train"]["muon_lr"]
     load_before = os.getloadavg()

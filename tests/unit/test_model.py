@@ -18,18 +18,32 @@ def model():
     return Llama(CFG).eval()
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_transformers_loads_our_directory_and_logits_match(tmp_path, tie):
-    from transformers import LlamaForCausalLM
+@pytest.mark.parametrize(
+    ("tie", "qk_norm", "hf_class"),
+    [(True, False, "LlamaForCausalLM"), (False, False, "LlamaForCausalLM"), (True, True, "Qwen3ForCausalLM")],
+)
+def test_transformers_loads_our_directory_and_logits_match(tmp_path, tie, qk_norm, hf_class):
+    """Stock classes through AutoModelForCausalLM: Llama's layout, and with QK-norm Qwen3's,
+    whose q_norm and k_norm get weights of their own (not 1) so that mixing them up shows."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1)
-    ours = Llama(LlamaConfig(**{**CFG.__dict__, "tie_embeddings": tie})).eval()
+    ours = Llama(LlamaConfig(**{**CFG.__dict__, "tie_embeddings": tie, "qk_norm": qk_norm})).eval()
+    with torch.no_grad():
+        for layer in ours.model.layers if qk_norm else []:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     ours.save_pretrained(tmp_path)
-    hf = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == hf_class
     assert hf.config.num_key_value_heads == 2 < hf.config.num_attention_heads  # GQA on
     x = torch.randint(0, CFG.vocab_size, (3, 50))
     with torch.no_grad():
         torch.testing.assert_close(ours(x)[0], hf(x).logits, atol=1e-4, rtol=0)
+        if qk_norm:  # the norms matter: without them the logits are not these
+            for layer in hf.model.layers:
+                layer.self_attn.k_norm.weight.fill_(1.0)
+            assert not torch.allclose(ours(x)[0], hf(x).logits, atol=1e-3, rtol=0)
 
 
 def test_kv_cache_decoding_equals_full_forward(model):
@@ -71,6 +85,12 @@ def test_round_trip_and_bad_directories(model, tmp_path):
     with pytest.raises(
         LmopsError, match=r"invalid model config \(n_embd \(64\) must be divisible by n_head \(5\)\)"
     ):
+        Llama.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    with pytest.raises(LmopsError, match="model_type 'mistral' is not one lmops runs \\(llama or qwen3\\)"):
+        Llama.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
+    with pytest.raises(LmopsError, match="do not match config.json.*q_norm"):  # Qwen3 without its norms
         Llama.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{broken")
     with pytest.raises(LmopsError, match="unreadable model config"):

@@ -40,6 +40,7 @@ def model_card(meta: ModelMeta, params: dict, evidence: dict | None, data_report
     name = meta.model_name or "lmops"
     title = f"{name} v{meta.model_version}" if meta.model_version is not None else name
     test = {k.removeprefix("test_"): v for k, v in meta.metrics.items() if _is_test_number(k, v)}
+    layout = "Qwen3" if params.get("model.qk_norm") == "True" else "Llama"
     sections = [
         f"# {title}",
         "\n".join(
@@ -52,7 +53,7 @@ def model_card(meta: ModelMeta, params: dict, evidence: dict | None, data_report
             )
             if value is not None
         ),
-        "## Model\n\nA decoder-only transformer in Hugging Face's Llama layout (`transformers` "
+        f"## Model\n\nA decoder-only transformer in Hugging Face's {layout} layout (`transformers` "
         "loads this directory as it is)."
         + (f" {meta.num_params:,} parameters." if meta.num_params is not None else "")
         + "\n\n"
@@ -65,7 +66,7 @@ def model_card(meta: ModelMeta, params: dict, evidence: dict | None, data_report
         "## Promotion evidence\n\n" + _evidence(evidence),
         "## Intended use and limits\n\n" + INTENDED_USE,
     ]
-    front = yaml.safe_dump(_metadata(name, meta, report, test), sort_keys=False)
+    front = yaml.safe_dump(_metadata(name, layout.lower(), meta, report, test), sort_keys=False)
     return f"---\n{front}---\n\n" + "\n\n".join(s.strip() for s in sections if s) + "\n"
 
 
@@ -121,7 +122,7 @@ def data_card(report: dict) -> str:
     )
 
 
-def _metadata(name: str, meta: ModelMeta, report: dict, test: dict) -> dict:
+def _metadata(name: str, model_type: str, meta: ModelMeta, report: dict, test: dict) -> dict:
     """Hugging Face's model card metadata: the corpus by its sha256, the test numbers as model-index."""
     sha = meta.data_sha256 or report.get("sha256")
     dataset = {"name": str(report.get("source") or "training corpus"), "type": "text", "split": "test"}
@@ -131,7 +132,7 @@ def _metadata(name: str, meta: ModelMeta, report: dict, test: dict) -> dict:
     out = {
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
-        "tags": ["lmops", "llama", "text-generation", "base-model"],
+        "tags": ["lmops", model_type, "text-generation", "base-model"],
         "datasets": [f"sha256:{sha}"] if sha else [],
         "metrics": list(test),
         "model-index": [

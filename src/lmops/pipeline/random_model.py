@@ -33,7 +33,9 @@ def random_model_dir(
     defaults: the training default size), save both to `directory` and return it.
 
     `seed` fixes the weights; `init_std` redraws every matrix from N(0, init_std), wider
-    than the training init so that logits are well separated; `meta` (ModelMeta's fields) becomes lmops.json.
+    than the training init so that logits are well separated, and QK-norm weights from
+    U(0.5, 1.5), so that a query norm applied as a key norm shows; `meta` (ModelMeta's
+    fields) becomes lmops.json.
     """
     tok = train_tokenizer(texts, vocab_size=vocab_size)
     if seed is not None:
@@ -41,9 +43,11 @@ def random_model_dir(
     model = Llama(LlamaConfig(vocab_size=tok.get_vocab_size(), max_seq_len=max_seq_len, **shape))
     if init_std is not None:
         with torch.no_grad():
-            for p in model.parameters():
+            for name, p in model.named_parameters():
                 if p.dim() == 2:
                     p.normal_(0.0, init_std)
+                elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
     with tempfile.TemporaryDirectory(prefix="lmops-tokenizer-") as tokenizer_dir:
         save_tokenizer(tok, Path(tokenizer_dir), max_seq_len)
         write_model_dir(model, Path(tokenizer_dir), directory, ModelMeta.model_validate(meta or {}))

@@ -1,8 +1,9 @@
 """Llama-style decoder in one readable file: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
 
-Parameter names and math follow Hugging Face's `LlamaForCausalLM` exactly, so a
-model directory saved here loads in `transformers` (and other Llama runtimes)
-unchanged, and parity with `transformers` is a test, not a hope.
+Parameter names and math follow Hugging Face's `LlamaForCausalLM` exactly (with
+`qk_norm`, `Qwen3ForCausalLM`: the same plus `q_norm`/`k_norm`), so a model directory
+saved here loads in `transformers` (and other Llama and Qwen3 runtimes) unchanged, and
+parity with `transformers` is a test, not a hope.
 
 Attention is the one pluggable part: `forward(..., cache=None)` runs plain causal
 attention over whole sequences (training, evaluation); a cache object with an
@@ -121,12 +122,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.dropout, self.attention_dropout = cfg.dropout, cfg.attention_dropout_p
 
     def forward(self, x, cos, sin, cache: AttentionCache | None):
         B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, self.n_head, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if self.qk_norm:  # Qwen3: each head's queries and keys normed, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
         if cache is None:
             y = causal_attention(q, k, v, self.attention_dropout if self.training else 0.0)
@@ -229,7 +237,7 @@ class Llama(nn.Module):
         n = self.num_params() - (0 if c.tie_embeddings else c.vocab_size * c.n_embd)
         return 6 * n + 12 * c.n_layer * c.n_embd * c.max_seq_len
 
-    # -- the model directory (Hugging Face Llama layout) ------------------------------
+    # -- the model directory (Hugging Face's Llama or Qwen3 layout) -----------------
 
     def save_pretrained(self, directory: str | Path) -> None:
         """config.json, model.safetensors and generation_config.json (special ids + GENERATION_DEFAULTS);
@@ -262,6 +270,8 @@ class Llama(nn.Module):
                 ": ".join([*map(str, e["loc"]), e["msg"].removeprefix("Value error, ")]) for e in exc.errors()
             )
             raise LmopsError(f"{config_path}: invalid model config ({problems})") from None
+        except ValueError as exc:  # from_hf's own: a layout lmops does not run
+            raise LmopsError(f"{config_path}: {exc}") from None
         except (KeyError, TypeError) as exc:
             raise LmopsError(f"{config_path}: unreadable model config ({exc!r})") from None
         weights = directory / WEIGHTS_FILE
@@ -280,7 +290,8 @@ class Llama(nn.Module):
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as exc:
-            raise LmopsError(f"{directory}: weights do not match config.json ({exc})") from None
+            detail = " ".join(str(exc).split())  # torch's message spans lines; ours is one
+            raise LmopsError(f"{directory}: weights do not match config.json ({detail})") from None
         return model.to(device=device, dtype=dtype).eval()
 
 

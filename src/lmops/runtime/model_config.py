@@ -1,5 +1,7 @@
 """The model's hyperparameters, their defaults and invariants, defined once, and their
-mapping to and from Hugging Face's Llama `config.json`.
+mapping to and from Hugging Face's `config.json`: Llama's layout, or Qwen3's where
+`qk_norm` is on (Qwen3 is Llama plus an RMSNorm over each head's queries and keys, so
+one network serves both and every stock runtime that reads either loads the export).
 
 Free of torch, so validating params.yaml (whose `model` section is `LlamaShape`) stays
 quick for the stages that never build a model.
@@ -27,6 +29,9 @@ class LlamaShape(BaseModel):
     rope_theta: Annotated[float, Field(gt=0)] = 10000.0
     norm_eps: Annotated[float, Field(gt=0)] = 1e-5
     tie_embeddings: bool = True
+    # Qwen3's QK-norm: an RMSNorm (weights per head dim, shared by the heads) over each
+    # head's queries and keys before RoPE; exported as Qwen3ForCausalLM.
+    qk_norm: bool = False
     # Training-only regularisation, off in eval and export: `dropout` on both residual
     # branches, `attention_dropout` on the attention weights (None = `dropout`). On CPU the
     # attention weights' mask (batch x heads x context^2 random draws per layer) costs far
@@ -50,6 +55,10 @@ class LlamaShape(BaseModel):
 TINY_SHAPE = {"n_layer": 2, "n_head": 4, "n_kv_heads": 2, "n_embd": 64, "intermediate_size": 128}
 
 
+# The Hugging Face layouts a model directory may hold (`model_type` in config.json).
+HF_MODEL_TYPES = ("llama", "qwen3")
+
+
 class LlamaConfig(LlamaShape):
     """The shape plus what the tokenizer decides: vocabulary size and special token ids."""
 
@@ -67,10 +76,22 @@ class LlamaConfig(LlamaShape):
     def attention_dropout_p(self) -> float:
         return self.dropout if self.attention_dropout is None else self.attention_dropout
 
+    @property
+    def hf_model_type(self) -> str:
+        return "qwen3" if self.qk_norm else "llama"
+
     def to_hf(self) -> dict:
+        layout = (
+            {"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": False}
+            if self.qk_norm
+            else {
+                "architectures": ["LlamaForCausalLM"],
+                "mlp_bias": False,
+            }
+        )
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            **layout,
+            "model_type": self.hf_model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.n_embd,
             "intermediate_size": self.intermediate_size,
@@ -85,7 +106,6 @@ class LlamaConfig(LlamaShape):
             "hidden_act": "silu",
             "attention_bias": False,
             "attention_dropout": self.attention_dropout_p,
-            "mlp_bias": False,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "torch_dtype": "float32",
@@ -93,6 +113,11 @@ class LlamaConfig(LlamaShape):
 
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaConfig:
+        model_type = hf.get("model_type", "llama")
+        if model_type not in HF_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not one lmops runs ({' or '.join(HF_MODEL_TYPES)})"
+            )
         eos = hf.get("eos_token_id", 2)  # an int, null, or a list whose first is the model's own
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -108,6 +133,7 @@ class LlamaConfig(LlamaShape):
             rope_theta=float(rope_theta),
             norm_eps=hf.get("rms_norm_eps", 1e-5),
             tie_embeddings=hf.get("tie_word_embeddings", False),
+            qk_norm=model_type == "qwen3",
             dropout=hf.get("attention_dropout", 0.0),
             bos_token_id=hf.get("bos_token_id", 1),
             eos_token_id=eos,

@@ -264,7 +264,7 @@ def _structure_key(forward: FusedForward, pool: KVPool) -> str:
         h.update(f.read_bytes())
     m = forward.model
     reads = [m.model.embed_tokens.weight, m.model.norm.weight, m.lm_head.weight, forward.cos]
-    reads += [forward.sin_signed, pool.kv, *(w for layer in forward.layers for w in layer)]
+    reads += [forward.sin_signed, pool.kv, *(w for layer in forward.layers for w in layer), *forward.qk_norms]
     h.update(";".join(map(_describe, reads)).encode())
     return h.hexdigest()[:32]
 

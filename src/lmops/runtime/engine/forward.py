@@ -41,6 +41,9 @@ class FusedForward:
         self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.n_kv_heads, cfg.head_dim
         self.inter, self.eps = cfg.intermediate_size, cfg.norm_eps
         self.layers = []
+        # Qwen3's QK-norm, per layer: the q_norm weight for each query head and k_norm's for
+        # each key head, one (H + Hkv, D) table, so one RMSNorm covers both.
+        self.qk_norms = []
         with torch.no_grad():
             for layer in model.model.layers:
                 a, mlp = layer.self_attn, layer.mlp
@@ -56,6 +59,9 @@ class FusedForward:
                         mlp.down_proj.weight,
                     )
                 )
+                if cfg.qk_norm:
+                    heads = (a.q_norm.weight.expand(self.n_head, -1), a.k_norm.weight.expand(self.n_kv, -1))
+                    self.qk_norms.append(torch.cat(heads))
         device = qkv.device
         cos, sin = rope_cos_sin(torch.arange(cfg.max_seq_len, device=device), cfg.head_dim, cfg.rope_theta)
         half = cfg.head_dim // 2
@@ -77,6 +83,9 @@ class FusedForward:
         sin = torch.cat((sin.expand(T, H + Hkv, D), sin.new_zeros(T, Hkv, D)), 1)
         for i, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
             qkv = F.linear(rms_norm(x, w_in, self.eps), w_qkv).view(T, H + 2 * Hkv, D)
+            if self.qk_norms:
+                qk = rms_norm(qkv[:, : H + Hkv], self.qk_norms[i], self.eps)
+                qkv = torch.cat((qk, qkv[:, H + Hkv :]), 1)
             x1, x2 = qkv.chunk(2, dim=-1)
             qkv = torch.addcmul(torch.cat((x2, x1), dim=-1).mul_(sin), qkv, cos)
             y = attn(i, qkv[:, :H], qkv[:, H:])
