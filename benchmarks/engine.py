@@ -94,12 +94,13 @@ def build_random_model(directory: Path, max_len: int, seed: int = 0, **shape) ->
 
 
 class HF:
-    """transformers' LlamaForCausalLM.generate, greedy, exactly `new` tokens."""
+    """transformers' generate (its stock class for the directory: Llama, or Qwen3 with QK-norm),
+    greedy, exactly `new` tokens."""
 
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype):
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.device = device
 
     @torch.inference_mode()

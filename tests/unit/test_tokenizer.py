@@ -4,7 +4,14 @@ import pytest
 
 from lmops.errors import LmopsError
 from lmops.pipeline.params import TokenizerConfig
-from lmops.pipeline.tokenize_stage import read_tokens, save_tokenizer, tokenize, train_tokenizer
+from lmops.pipeline.tokenize_stage import (
+    BYTES_PER_ENTRY,
+    auto_vocab_size,
+    read_tokens,
+    save_tokenizer,
+    tokenize,
+    train_tokenizer,
+)
 from lmops.runtime.tokenizer import encode, load_tokenizer, token_byte_lengths
 
 TEXT = "".join(f"def function_{i}(x, y):\n    return x * {i} + y  # ünïcödé ✓\n\n" for i in range(400))
@@ -57,6 +64,30 @@ def test_tokenize_stage_writes_bins_and_stats(tmp_path):
         assert tok.decode(ids[:].tolist()) == (data / f"{name}.txt").read_text()
         assert stats["splits"][name]["tokens"] == len(ids)
     assert json.loads((tmp_path / "tok" / "stats.json").read_text()) == stats
+
+
+def test_auto_vocab_size_follows_the_train_split():
+    """A power of two with at least BYTES_PER_ENTRY train bytes an entry, 512 to 4096: tiny
+    Shakespeare's train split (nanoGPT's 90%) gets a small vocabulary, the default corpus 4096."""
+    assert auto_vocab_size(0) == auto_vocab_size(20_000) == 512
+    assert auto_vocab_size(1024 * BYTES_PER_ENTRY) == 1024
+    assert auto_vocab_size(1024 * BYTES_PER_ENTRY - 1) == 512
+    assert auto_vocab_size(12_000_000) == auto_vocab_size(10**12) == 4096
+    sizes = [auto_vocab_size(n) for n in range(0, 8_000_000, 100_000)]
+    assert sizes == sorted(sizes)
+
+
+def test_tokenize_stage_with_auto_vocab_records_its_choice(tmp_path, caplog):
+    data = tmp_path / "processed"
+    data.mkdir()
+    for name, text in {"train": TEXT, "val": TEXT[:3000], "test": TEXT[3000:6000]}.items():
+        (data / f"{name}.txt").write_text(text)
+    with caplog.at_level("INFO"):
+        stats = tokenize(TokenizerConfig(), 64, data, tmp_path / "tok")
+    assert TokenizerConfig().vocab_size == "auto"
+    chosen = auto_vocab_size(len(TEXT.encode()))
+    assert stats["auto.vocab_size"] == chosen and stats["vocab_size"] <= chosen
+    assert f"auto chose tokenizer.vocab_size {chosen} for {len(TEXT.encode())} train bytes" in caplog.text
 
 
 def test_tokenize_errors(tmp_path):

@@ -68,9 +68,13 @@ class SplitConfig(_Section):
         return self
 
 
+AUTO = "auto"
+
+
 class TokenizerConfig(_Section):
-    # 256 byte symbols + special tokens is the floor of a byte-level BPE.
-    vocab_size: Annotated[int, Field(ge=260, le=65535)] = 4096
+    # 256 byte symbols + special tokens is the floor of a byte-level BPE. auto: from the train
+    # split's size (lmops.pipeline.tokenize_stage.auto_vocab_size).
+    vocab_size: Annotated[int, Field(ge=260, le=65535)] | Literal["auto"] = AUTO
     min_frequency: PositiveInt = 2
     # The BPE learns from at most this many bytes of the train split (all of it when smaller),
     # pieces of whole lines at places drawn with `seed`: time and memory stay bounded.
@@ -78,9 +82,6 @@ class TokenizerConfig(_Section):
     seed: int = 1337
     # Token files are shards of at most this many bytes (read through memmap across shards).
     shard_bytes: Annotated[int, Field(ge=4)] = 1_000_000_000
-
-
-AUTO = "auto"
 
 
 class ModelConfig(LlamaShape, _Section):
@@ -316,8 +317,31 @@ def parse_params(raw: Any, origin: str = PARAMS_FILE) -> Params:
     try:
         return Params.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(_describe(e) for e in exc.errors())
+        problems = "; ".join(_describe(e) for e in _one_per_key(exc.errors()))
         raise LmopsError(f"{origin}: {problems}") from None
+
+
+def _one_per_key(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A value that fits no member of a union (`model.dropout: lots`) fails each member
+    under its own location (`model.dropout.constrained-float`, `...literal['auto']`): one
+    error at the key instead, saying what each member wanted."""
+    out: dict[tuple, dict[str, Any]] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        section, key = _field_at(loc[:2])
+        union = (
+            len(loc) == 3
+            and section is not None
+            and key in section.model_fields
+            and typing.get_origin(section.model_fields[key].annotation) in (typing.Union, types.UnionType)
+        )
+        if not union:
+            out[loc] = err
+        elif loc[:2] in out:
+            out[loc[:2]]["msg"] += f", or {err['msg'][0].lower()}{err['msg'][1:]}"
+        else:
+            out[loc[:2]] = {**err, "loc": loc[:2]}
+    return list(out.values())
 
 
 def _read_yaml(path: Path) -> Any:

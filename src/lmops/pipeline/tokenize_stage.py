@@ -36,13 +36,21 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from lmops import atomic, crash_points
 from lmops.errors import LmopsError
 from lmops.pipeline.data import READ_BYTES, SPLITS, progress, record_throughput
-from lmops.pipeline.params import TokenizerConfig
+from lmops.pipeline.params import AUTO, TokenizerConfig
 from lmops.pipeline.paths import PROCESSED_DIR, TOKENIZER_DIR, TOKENS_DIR
 from lmops.runtime.tokenizer import CHUNK_CHARS, SPECIAL_TOKENS, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
+# `tokenizer.vocab_size: auto` follows the train split's size: the largest power of two with
+# at least BYTES_PER_ENTRY train bytes per vocabulary entry, within AUTO_VOCAB. On a small
+# corpus a large vocabulary is many rare tokens whose embeddings barely train, and every
+# entry is a row of the tied embedding and head (a third of the default model at 4096).
+# Measured on tiny Shakespeare (1 MB of train split) in benchmarks/README.md, "The
+# training recipe"; the default corpus (12 MB) keeps 4096.
+BYTES_PER_ENTRY = 1000
+AUTO_VOCAB = (512, 4096)
 SAMPLE_PIECE = 1 << 16  # the tokenizer's training sample is pieces of whole lines of about this size
 INDEX = "index.json"
 # The chat template saved with the tokenizer (tokenizer_config.json's "chat_template",
@@ -94,6 +102,16 @@ def save_tokenizer(tok: Tokenizer, directory: Path, model_max_length: int) -> No
         "chat_template": CHAT_TEMPLATE,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def auto_vocab_size(train_bytes: int) -> int:
+    """`tokenizer.vocab_size: auto`: the largest power of two in AUTO_VOCAB with at least
+    BYTES_PER_ENTRY train bytes per entry (the bounds where there is less or more)."""
+    low, high = AUTO_VOCAB
+    size = low
+    while size * 2 <= high and size * 2 * BYTES_PER_ENTRY <= train_bytes:
+        size *= 2
+    return size
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -340,12 +358,18 @@ def train_and_save(cfg: TokenizerConfig, max_seq_len: int, data_dir: Path, out_d
     paths = {name: split_path(data_dir, name) for name in SPLITS}
     started = time.perf_counter()
     sample = TrainingSample(paths["train"], cfg.train_bytes, cfg.seed)
-    tok = train_tokenizer(sample, cfg.vocab_size, cfg.min_frequency)
+    train_bytes = paths["train"].stat().st_size
+    vocab_size = cfg.vocab_size
+    if vocab_size == AUTO:
+        vocab_size = auto_vocab_size(train_bytes)
+        log.info("auto chose tokenizer.vocab_size %d for %d train bytes", vocab_size, train_bytes)
+    tok = train_tokenizer(sample, vocab_size, cfg.min_frequency)
     stats = {
         "vocab_size": tok.get_vocab_size(),
         "dtype": token_dtype(tok.get_vocab_size()).name,
         "trained_on_bytes": sample.bytes,
-        "train_split_bytes": paths["train"].stat().st_size,
+        "train_split_bytes": train_bytes,
+        **({"auto.vocab_size": vocab_size} if cfg.vocab_size == AUTO else {}),
     }
     seconds = time.perf_counter() - started
     record_throughput("tokenizer_training", seconds, sample.bytes)

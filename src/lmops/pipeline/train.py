@@ -577,6 +577,7 @@ def _start_tracking(run: Run) -> None:
         progress.run_id,
         extra={
             "num_params": run.model.num_params(),
+            "vocab_size": run.model.config.vocab_size,  # the tokenizer's (tokenizer.vocab_size may be auto)
             "world_size": run.ddp.world,
             "device": run.device.type,
             "compute_dtype": str(run.precision).removeprefix("torch."),
