@@ -38,29 +38,35 @@ from lmops.runtime.model_config import LlamaConfig
 
 VOCAB = 4096
 BASELINE = "transformers float32"
-CONFIGS = {  # name: (library, precision, compiled)
-    BASELINE: ("transformers", torch.float32, False),
-    "transformers bfloat16": ("transformers", torch.bfloat16, False),
-    "transformers bfloat16 compiled": ("transformers", torch.bfloat16, True),
-    "lmops float32": ("lmops", torch.float32, False),
-    "lmops float32 compiled": ("lmops", torch.float32, True),
-    "lmops bfloat16": ("lmops", torch.bfloat16, False),
-    "lmops bfloat16 compiled": ("lmops", torch.bfloat16, True),
+CONFIGS = {  # name: (library, precision, compiled, model overrides)
+    BASELINE: ("transformers", torch.float32, False, {}),
+    "transformers bfloat16": ("transformers", torch.bfloat16, False, {}),
+    "transformers bfloat16 compiled": ("transformers", torch.bfloat16, True, {}),
+    "lmops float32": ("lmops", torch.float32, False, {}),
+    "lmops float32 compiled": ("lmops", torch.float32, True, {}),
+    "lmops bfloat16": ("lmops", torch.bfloat16, False, {}),
+    "lmops bfloat16 compiled": ("lmops", torch.bfloat16, True, {}),
+    # What QK-norm costs a step (issue 32: adopted only where it wins at equal wall-clock).
+    "lmops bfloat16 compiled, qk-norm": ("lmops", torch.bfloat16, True, {"qk_norm": True}),
 }
 
 
 class Trainer:
     """One configuration: its model, optimizer and step; models start from the same weights."""
 
-    def __init__(self, library: str, precision: torch.dtype, compiled: bool, params: Params, state: dict):
-        cfg = LlamaConfig(vocab_size=VOCAB, **params.model.model_dump())
+    def __init__(
+        self, library: str, precision: torch.dtype, compiled: bool, shape: dict, params: Params, state: dict
+    ):
+        cfg = LlamaConfig(vocab_size=VOCAB, **{**params.model.model_dump(), **shape})
         if library == "transformers":
             import transformers
 
             self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf()))
         else:
             self.model = Llama(cfg)
-        self.model.load_state_dict(state)
+        # The shared weights; a variant's own (QK-norm's norms) keep their init.
+        missing = self.model.load_state_dict(state, strict=False).missing_keys
+        assert all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing), missing
         self.library, self.precision = library, precision
         self.opt = make_optimizer(self.model, params.train, torch.device("cpu"))
         self.forward = torch.compile(self.model) if compiled else self.model
