@@ -4,6 +4,7 @@ head), at equal steps, in the same run.
 
     python benchmarks/recipe.py [--steps 300] [--max-bytes 8000000] [--corpus stdlib|shakespeare]
         [--recipes NAME ...] [--muon-lr LR] [--other-muon-lrs LR ...] [--eval-interval 25] [--seed 1337]
+        [--set SECTION.KEY=VALUE ...]
         [--out benchmarks/results/recipe-cpu.json]
 
 One project in a temporary directory: params.yaml's defaults (the default corpus capped at
@@ -67,6 +68,10 @@ def base_params(args: argparse.Namespace) -> dict:
         base["split"].update(method="tail")
     elif args.max_bytes:
         base["data"]["max_bytes"] = args.max_bytes
+    for setting in args.set:  # every recipe's params, tokenizer.vocab_size too
+        key, _, value = setting.partition("=")
+        section, _, name = key.partition(".")
+        base[section][name] = yaml.safe_load(value)
     base["mlflow"]["tracking_uri"] = "sqlite:///mlflow.db"
     base["train"].update(
         max_steps=args.steps,
@@ -210,13 +215,21 @@ def main() -> int:
     )
     parser.add_argument("--threads", type=int, default=0, help="train.threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=1337, help="train.seed (init, batches, dropout)")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="params.yaml values for every recipe, e.g. tokenizer.vocab_size=1024 model.dropout=0.1",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/recipe-cpu.json")
     args = parser.parse_args()
     earlier = json.loads(args.baseline_from.read_text()) if args.baseline_from else None
     if earlier and (earlier["args"]["corpus"], earlier["args"]["max_bytes"]) != (args.corpus, args.max_bytes):
         parser.error(f"--baseline-from {args.baseline_from}: another corpus ({earlier['args']})")
-    if earlier and earlier["args"].get("seed", 1337) != args.seed:
-        parser.error(f"--baseline-from {args.baseline_from}: another seed ({earlier['args']})")
+    same_run = (earlier or {}).get("args", {}).get("seed", 1337) == args.seed
+    if earlier and not (same_run and earlier["args"].get("set", []) == args.set):
+        parser.error(f"--baseline-from {args.baseline_from}: another seed or --set ({earlier['args']})")
     base = base_params(args)
     muon_lr = args.muon_lr if args.muon_lr is not None else base["train"]["muon_lr"]
     load_before = os.getloadavg()
