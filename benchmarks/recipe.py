@@ -227,8 +227,8 @@ def main() -> int:
     earlier = json.loads(args.baseline_from.read_text()) if args.baseline_from else None
     if earlier and (earlier["args"]["corpus"], earlier["args"]["max_bytes"]) != (args.corpus, args.max_bytes):
         parser.error(f"--baseline-from {args.baseline_from}: another corpus ({earlier['args']})")
-    same_run = (earlier or {}).get("args", {}).get("seed", 1337) == args.seed
-    if earlier and not (same_run and earlier["args"].get("set", []) == args.set):
+    same_seed = (earlier or {}).get("args", {}).get("seed", 1337) == args.seed
+    if earlier and not (same_seed and earlier["args"].get("set", []) == args.set):
         parser.error(f"--baseline-from {args.baseline_from}: another seed or --set ({earlier['args']})")
     base = base_params(args)
     muon_lr = args.muon_lr if args.muon_lr is not None else base["train"]["muon_lr"]

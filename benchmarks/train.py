@@ -1,4 +1,4 @@
-"""Training speed: lmops' model against `transformers`' LlamaForCausalLM, step for step.
+"""Training speed: lmops' model against `transformers`' (LlamaForCausalLM), step for step.
 
 The default model of params.yaml (vocab 4096), params.yaml's batch (16 x 256 tokens),
 the same AdamW (`lmops.pipeline.train.make_optimizer`: params.yaml's betas and weight decay),
@@ -61,7 +61,8 @@ class Trainer:
         if library == "transformers":
             import transformers
 
-            self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf()))
+            hf = transformers.AutoConfig.for_model(**cfg.to_hf())  # Llama's, or Qwen3's with QK-norm
+            self.model = transformers.AutoModelForCausalLM.from_config(hf)
         else:
             self.model = Llama(cfg)
         # The shared weights; a variant's own (QK-norm's norms) keep their init.

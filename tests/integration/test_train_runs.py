@@ -229,12 +229,12 @@ def test_a_finished_muon_wsd_run_trains_longer_from_its_cooldown_and_ends_as_the
     assert [m.step for m in client.get_metric_history(meta["run_id"], "loss/val")] == [10, 20, 28]
     assert mlflow_run(project, short_run).data.params["train.max_steps"] == "20"
     # The optimizer leaves the architecture alone: transformers loads the export unchanged.
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from lmops.runtime.model import Llama
 
     x = torch.arange(1, 17)[None]
-    hf = LlamaForCausalLM.from_pretrained(project / "artifacts/model").eval()
+    hf = AutoModelForCausalLM.from_pretrained(project / "artifacts/model").eval()
     with torch.no_grad():
         ours = Llama.from_pretrained(project / "artifacts/model")(x)[0]
         torch.testing.assert_close(hf(x).logits, ours, atol=1e-4, rtol=1e-4)
