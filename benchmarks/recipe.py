@@ -1,6 +1,6 @@
-"""The training recipe (issue 32): the recipe before it (AdamW, warmup + cosine, no dropout)
-against params.yaml's defaults and variants of them (Muon with cosine or wsd, an untied
-head), at equal steps, in the same run.
+"""The training recipe (issue 32): the recipe before it (AdamW, warmup + cosine, no dropout,
+Llama's layout) against params.yaml's defaults and variants of them (Muon with cosine or
+wsd, an untied head, QK-norm or not), at equal steps, in the same run.
 
     python benchmarks/recipe.py [--steps 300] [--max-bytes 8000000] [--corpus stdlib|shakespeare]
         [--recipes NAME ...] [--muon-lr LR] [--other-muon-lrs LR ...] [--eval-interval 25] [--seed 1337]
@@ -47,7 +47,10 @@ def recipes(muon_lr: float, other_lrs: list[float]) -> dict[str, dict]:
     recipe before issue 32, whatever params.yaml says now); "defaults" is params.yaml as it is."""
     muon = {"optimizer": "muon", "muon_lr": muon_lr}
     return {
-        BASELINE: {"train": {"optimizer": "adamw", "lr_schedule": "cosine"}, "model": {"dropout": 0.0}},
+        BASELINE: {
+            "train": {"optimizer": "adamw", "lr_schedule": "cosine"},
+            "model": {"dropout": 0.0, "qk_norm": False},
+        },
         "defaults": {},
         "muon + cosine": {"train": {**muon, "lr_schedule": "cosine"}},
         "muon + wsd": {"train": {**muon, "lr_schedule": "wsd"}},
@@ -58,6 +61,7 @@ def recipes(muon_lr: float, other_lrs: list[float]) -> dict[str, dict]:
         "untied head": {"model": {"tie_embeddings": False}},
         "zero-init projections": {"ablation": "zero_init"},
         "qk-norm": {"model": {"qk_norm": True}},
+        "llama layout": {"model": {"qk_norm": False}},
     }
 
 
