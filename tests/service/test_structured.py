@@ -228,8 +228,15 @@ def test_openai_sdk_tool_calls_round_trip_against_gunicorn(tmp_path):
 
 
 def tool_round_trip(oai: openai.OpenAI) -> None:
-    city = {"type": "string", "maxLength": 8}  # the call fits in max_tokens, whatever is sampled
-    weather = {"type": "object", "properties": {"city": city}, "required": ["city"]}
+    # The call fits in max_tokens whatever is sampled: one short string and no other key (with
+    # extra keys allowed, a random model can add them until max_tokens, as one layout's did).
+    city = {"type": "string", "maxLength": 8}
+    weather = {
+        "type": "object",
+        "properties": {"city": city},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     tools = [{"type": "function", "function": {"name": "weather", "parameters": weather}}]
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     ask = {"model": "lmops-tiny", "tools": tools, "max_tokens": 200, "seed": 3, "parallel_tool_calls": False}

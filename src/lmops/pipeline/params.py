@@ -113,7 +113,7 @@ def cooldown_steps(max_steps: int, fraction: float) -> int:
 class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 1337
-    max_steps: PositiveInt = 800
+    max_steps: PositiveInt = 754
     batch_size: PositiveInt = 16
     grad_accum_steps: PositiveInt = 1
     learning_rate: Annotated[float, Field(gt=0)] = 3e-3

@@ -210,4 +210,7 @@ def test_metrics_count_requests_and_mask_time(model_dir, prompts):
     assert value("lmops:structured_output_requests_total", {"kind": "choice"}) == 1
     tokens = sum(len(c.token_ids) for o in outs[:2] for c in o.outputs)
     assert value("lmops:structured_output_tokens_total") == tokens
-    assert 0 < value("lmops:structured_output_mask_seconds_total") < tokens * 0.01
+    # Counted, and in seconds (a token's mask takes well under a millisecond here; milliseconds
+    # counted as seconds would be 1000x that): 0.05 s a token leaves room for a loaded box,
+    # where it measured 0.01 (this is no speed test: benchmarks/structured.py is).
+    assert 0 < value("lmops:structured_output_mask_seconds_total") < tokens * 0.05
