@@ -241,7 +241,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     }
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or build_random_model(Path(tmp) / "model", 1024)
+        # Llama's layout: the baseline commit predates Qwen3's (model.qk_norm), and QK-norm
+        # costs a decode step nothing measurable (benchmarks/README.md, "Architecture ablations").
+        model_dir = args.model or build_random_model(Path(tmp) / "model", 1024, qk_norm=False)
         prompts = (
             text_prompts(model_dir, args.prompts_from, args.num_prompts)
             if args.prompts_from
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         )
         draft_dir = {"target": model_dir, None: None}.get(args.draft_model)
         if args.draft_model == "tiny":
-            draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE)
+            draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE, qk_norm=False)
         # name -> (lmops source, draft tokens, a CTranslate2 model)
         sources = {
             "baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0, None),
