@@ -360,9 +360,9 @@ def train_and_save(cfg: TokenizerConfig, max_seq_len: int, data_dir: Path, out_d
     started = time.perf_counter()
     sample = TrainingSample(paths["train"], cfg.train_bytes, cfg.seed)
     train_bytes = paths["train"].stat().st_size
-    vocab_size = cfg.vocab_size
-    if vocab_size == AUTO:
-        vocab_size = auto_vocab_size(train_bytes)
+    auto = cfg.vocab_size == AUTO
+    vocab_size = auto_vocab_size(train_bytes) if auto else cfg.vocab_size
+    if auto:
         log.info("auto chose tokenizer.vocab_size %d for %d train bytes", vocab_size, train_bytes)
     tok = train_tokenizer(sample, vocab_size, cfg.min_frequency)
     stats = {
@@ -370,7 +370,7 @@ def train_and_save(cfg: TokenizerConfig, max_seq_len: int, data_dir: Path, out_d
         "dtype": token_dtype(tok.get_vocab_size()).name,
         "trained_on_bytes": sample.bytes,
         "train_split_bytes": train_bytes,
-        **({"auto.vocab_size": vocab_size} if cfg.vocab_size == AUTO else {}),
+        **({"auto.vocab_size": vocab_size} if auto else {}),
     }
     seconds = time.perf_counter() - started
     record_throughput("tokenizer_training", seconds, sample.bytes)
