@@ -1,5 +1,6 @@
 """The compiled decode path (engine/compiled.py): same greedy tokens as the eager path,
-padded batches included, and a clean fall back to eager where it does not apply."""
+padded batches included, its small products in inductor's own code, and a clean fall back
+to eager where it does not apply."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from lmops.runtime.engine import compiled as compiled_module
 from lmops.runtime.engine import engine as engine_module
 from lmops.runtime.engine import scheduler as scheduler_module
 from lmops.runtime.engine.config import EngineConfig
+from lmops.runtime.engine.forward import SMALL_PRODUCT_ROWS, linear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -241,3 +243,15 @@ def test_right_drafts_are_kept_in_five_graph_calls(model_dir, speculative_engine
     assert calls == [1]  # the prefill's token; every verification took the graph's argmax
     # 1 (the prefill) + 5 + 5 + 4 + 4 + 1: the last token has no room for a draft
     assert [n for _, n in served] == [5, 5, 4, 4, 1]
+
+
+@pytest.mark.parametrize("rows", [1, SMALL_PRODUCT_ROWS])
+def test_compiled_small_products_are_inductors_own_loop(rows):
+    """Below SMALL_PRODUCT_ROWS rows a compiled projection is inductor's own loop, not an
+    aten.mm call (MKL's generic code on AMD CPUs), and it equals F.linear."""
+    from torch._inductor.utils import run_and_get_code
+
+    x, w = torch.randn(rows, 192), torch.randn(320, 192)
+    out, code = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, w)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert ("extern_kernels.mm(" in "".join(code)) == (rows >= SMALL_PRODUCT_ROWS)

@@ -19,6 +19,10 @@ import torch.nn.functional as F
 
 from lmops.runtime.model import Llama, rms_norm, rope_cos_sin
 
+# Below this many rows a compiled CPU graph computes its float32 projections itself (`linear`);
+# from here on aten.mm's GEMM is faster (the crossover: benchmarks/README.md, "Single stream").
+SMALL_PRODUCT_ROWS = 16
+
 
 class Attend(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -82,22 +86,40 @@ class FusedForward:
         cos = torch.cat((cos.expand(T, H + Hkv, D), cos.new_ones(T, Hkv, D)), 1)
         sin = torch.cat((sin.expand(T, H + Hkv, D), sin.new_zeros(T, Hkv, D)), 1)
         for i, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
-            qkv = F.linear(rms_norm(x, w_in, self.eps), w_qkv).view(T, H + 2 * Hkv, D)
+            qkv = linear(rms_norm(x, w_in, self.eps), w_qkv).view(T, H + 2 * Hkv, D)
             if self.qk_norms:
                 qk = rms_norm(qkv[:, : H + Hkv], self.qk_norms[i], self.eps)
                 qkv = torch.cat((qk, qkv[:, H + Hkv :]), 1)
             x1, x2 = qkv.chunk(2, dim=-1)
             qkv = torch.addcmul(torch.cat((x2, x1), dim=-1).mul_(sin), qkv, cos)
             y = attn(i, qkv[:, :H], qkv[:, H:])
-            x = x + F.linear(y.reshape(T, H * D), w_o)
-            gu = F.linear(rms_norm(x, w_post, self.eps), w_gu)
-            x.add_(F.linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down))
+            x = x + linear(y.reshape(T, H * D), w_o)
+            gu = linear(rms_norm(x, w_post, self.eps), w_gu)
+            x.add_(linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down))
         return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states (rows, n_embd) -> float32 logits (rows, vocab): final norm, LM head."""
         m = self.model
-        return F.linear(rms_norm(h, m.model.norm.weight, self.eps), m.lm_head.weight).float()
+        return linear(rms_norm(h, m.model.norm.weight, self.eps), m.lm_head.weight).float()
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """`F.linear(x, w)` (`w` a weight tensor or a quantize.Int8Weight), except for a float32 weight and fewer than SMALL_PRODUCT_ROWS rows
+    inside a compiled CPU graph: there it is a multiply and a sum, which inductor generates as
+    one vectorized loop, fused with the RMSNorm before it and the residual add after it. aten.mm
+    would call MKL, and MKL's single-row and few-row products take their generic, pre-AVX code
+    on AMD CPUs (`mkl_blas_def_xsgemv`: over half of a batch-1 decode step's time). Eagerly the
+    product would be materialized, so the eager path keeps F.linear."""
+    if (
+        torch.compiler.is_compiling()
+        and isinstance(w, torch.Tensor)
+        and w.dtype == torch.float32
+        and w.device.type == "cpu"
+        and x.shape[0] < SMALL_PRODUCT_ROWS
+    ):
+        return (x[:, None, :] * w).sum(-1)
+    return F.linear(x, w)
 
 
 def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
