@@ -245,7 +245,7 @@ def test_right_drafts_are_kept_in_five_graph_calls(model_dir, speculative_engine
     assert [n for _, n in served] == [5, 5, 4, 4, 1]
 
 
-@pytest.mark.parametrize("rows", [1, SMALL_PRODUCT_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, SMALL_PRODUCT_ROWS])
 def test_compiled_small_products_are_inductors_own_loop(rows):
     """Below SMALL_PRODUCT_ROWS rows a compiled projection is inductor's own loop, not an
     aten.mm call (MKL's generic code on AMD CPUs), and it equals F.linear."""

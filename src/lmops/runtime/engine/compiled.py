@@ -173,6 +173,11 @@ class CompiledDecode:
                 log.warning("compiled decode: ignoring unreadable cache %s: %s", path, exc)
         if step is None:
             meta, tables = self._inputs([], size, tokens)
+            # Only the table width is symbolic. The rows and sequences are the size's own:
+            # dynamo would make them symbolic from the second size on (it marks a dimension
+            # dynamic once it has seen it change), and code for any number of rows is slower.
+            torch._dynamo.mark_static(meta)
+            torch._dynamo.mark_static(tables, 0)
             torch._dynamo.mark_dynamic(tables, 1)
             with torch.inference_mode():
                 step = self._compiler.aot_compile(((meta, tables), {}))

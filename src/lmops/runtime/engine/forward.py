@@ -105,12 +105,15 @@ class FusedForward:
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """`F.linear(x, w)` (`w` a weight tensor or a quantize.Int8Weight), except for a float32 weight and fewer than SMALL_PRODUCT_ROWS rows
-    inside a compiled CPU graph: there it is a multiply and a sum, which inductor generates as
-    one vectorized loop, fused with the RMSNorm before it and the residual add after it. aten.mm
-    would call MKL, and MKL's single-row and few-row products take their generic, pre-AVX code
-    on AMD CPUs (`mkl_blas_def_xsgemv`: over half of a batch-1 decode step's time). Eagerly the
-    product would be materialized, so the eager path keeps F.linear."""
+    """`F.linear(x, w)` (`w` a weight tensor or a quantize.Int8Weight), except for a float32
+    weight and fewer than SMALL_PRODUCT_ROWS rows inside a compiled CPU graph: there each row
+    is a multiply and a sum, which inductor generates as vectorized loops fused with the
+    RMSNorm before them and the residual add after them; the rows' sums share one loop over
+    the weight (one sum over a (rows, out, in) product loops over it once a row: 1.6x slower
+    at 5 rows, benchmarks/README.md, "The single-row products"). aten.mm would call MKL, whose
+    single-row and few-row products take their generic, pre-AVX code on AMD CPUs
+    (`mkl_blas_def_xsgemv`: over half of a batch-1 decode step's time). Eagerly the product
+    would be materialized, so the eager path keeps F.linear."""
     if (
         torch.compiler.is_compiling()
         and isinstance(w, torch.Tensor)
@@ -118,7 +121,7 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
         and w.device.type == "cpu"
         and x.shape[0] < SMALL_PRODUCT_ROWS
     ):
-        return (x[:, None, :] * w).sum(-1)
+        return torch.cat([(x[r : r + 1, None, :] * w).sum(-1) for r in range(x.shape[0])])
     return F.linear(x, w)
 
 
