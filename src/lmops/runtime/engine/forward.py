@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from lmops.runtime.model import Llama, rms_norm, rope_cos_sin
 
 # Below this many rows a compiled CPU graph computes its float32 projections itself (`linear`);
-# from here on aten.mm's GEMM is faster (the crossover: benchmarks/README.md, "Single stream").
+# from here on aten.mm's GEMM is as fast (the crossover: benchmarks/README.md, "The single-row products").
 SMALL_PRODUCT_ROWS = 16
 
 
