@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lmops.runtime.engine import LLMEngine, SamplingParams
 from lmops.runtime.engine import compiled as compiled_module
 from lmops.runtime.engine import engine as engine_module
 from lmops.runtime.engine import scheduler as scheduler_module
 from lmops.runtime.engine.config import EngineConfig
-from lmops.runtime.engine.forward import SMALL_PRODUCT_ROWS, linear
+from lmops.runtime.engine.forward import SMALL_PRODUCT_ROWS, linear, norm_linear
+from lmops.runtime.model import rms_norm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -248,10 +250,13 @@ def test_right_drafts_are_kept_in_five_graph_calls(model_dir, speculative_engine
 @pytest.mark.parametrize("rows", [1, 5, SMALL_PRODUCT_ROWS])
 def test_compiled_small_products_are_inductors_own_loop(rows):
     """Below SMALL_PRODUCT_ROWS rows a compiled projection is inductor's own loop, not an
-    aten.mm call (MKL's generic code on AMD CPUs), and it equals F.linear."""
+    aten.mm call (MKL's generic code on AMD CPUs), and it equals F.linear; so does the
+    normed one, which scales the outputs by 1/rms instead of the inputs."""
     from torch._inductor.utils import run_and_get_code
 
-    x, w = torch.randn(rows, 192), torch.randn(320, 192)
+    x, w, g = torch.randn(rows, 192), torch.randn(320, 192), torch.rand(192) + 0.5
     out, code = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, w)
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
     assert ("extern_kernels.mm(" in "".join(code)) == (rows >= SMALL_PRODUCT_ROWS)
+    normed = torch.compile(norm_linear, fullgraph=True, dynamic=False)(x, g, w, 1e-5)
+    torch.testing.assert_close(normed, F.linear(rms_norm(x, g, 1e-5), w), rtol=1e-5, atol=1e-4)

@@ -86,7 +86,7 @@ class FusedForward:
         cos = torch.cat((cos.expand(T, H + Hkv, D), cos.new_ones(T, Hkv, D)), 1)
         sin = torch.cat((sin.expand(T, H + Hkv, D), sin.new_zeros(T, Hkv, D)), 1)
         for i, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
-            qkv = linear(rms_norm(x, w_in, self.eps), w_qkv).view(T, H + 2 * Hkv, D)
+            qkv = norm_linear(x, w_in, w_qkv, self.eps).view(T, H + 2 * Hkv, D)
             if self.qk_norms:
                 qk = rms_norm(qkv[:, : H + Hkv], self.qk_norms[i], self.eps)
                 qkv = torch.cat((qk, qkv[:, H + Hkv :]), 1)
@@ -94,35 +94,53 @@ class FusedForward:
             qkv = torch.addcmul(torch.cat((x2, x1), dim=-1).mul_(sin), qkv, cos)
             y = attn(i, qkv[:, :H], qkv[:, H:])
             x = x + linear(y.reshape(T, H * D), w_o)
-            gu = linear(rms_norm(x, w_post, self.eps), w_gu)
+            gu = norm_linear(x, w_post, w_gu, self.eps)
             x.add_(linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down))
         return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states (rows, n_embd) -> float32 logits (rows, vocab): final norm, LM head."""
         m = self.model
-        return linear(rms_norm(h, m.model.norm.weight, self.eps), m.lm_head.weight).float()
+        return norm_linear(h, m.model.norm.weight, m.lm_head.weight, self.eps).float()
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """`F.linear(x, w)` (`w` a weight tensor or a quantize.Int8Weight), except for a float32
-    weight and fewer than SMALL_PRODUCT_ROWS rows inside a compiled CPU graph: there each row
-    is a multiply and a sum, which inductor generates as vectorized loops fused with the
-    RMSNorm before them and the residual add after them; the rows' sums share one loop over
-    the weight (one sum over a (rows, out, in) product loops over it once a row: 1.6x slower
-    at 5 rows, benchmarks/README.md, "The single-row products"). aten.mm would call MKL, whose
-    single-row and few-row products take their generic, pre-AVX code on AMD CPUs
-    (`mkl_blas_def_xsgemv`: over half of a batch-1 decode step's time). Eagerly the product
-    would be materialized, so the eager path keeps F.linear."""
-    if (
+    """`F.linear(x, w)` (`w` a weight tensor or a quantize.Int8Weight); for few rows in a
+    compiled CPU graph, inductor's own loop (`_own_loop`)."""
+    return _row_sums(x, w) if _own_loop(x, w) else F.linear(x, w)
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float) -> torch.Tensor:
+    """`linear(rms_norm(x, norm_weight, eps), w)`. In inductor's own loop each row's 1/rms
+    scales the product's outputs, not its inputs: inlined into the loop, the norm cost a
+    square root per 16 weights read (the LM head over 5 rows 3.6x slower, over 1 row 1.4x)."""
+    if _own_loop(x, w):
+        inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return _row_sums(x * norm_weight, w) * inv_rms
+    return F.linear(rms_norm(x, norm_weight, eps), w)
+
+
+def _own_loop(x: torch.Tensor, w) -> bool:
+    """Whether `x @ w.T` is a float32 product of fewer than SMALL_PRODUCT_ROWS rows inside a
+    compiled CPU graph: there inductor generates it as vectorized loops fused with the ops
+    around it, where aten.mm would call MKL, whose single-row and few-row products take their
+    generic, pre-AVX code on AMD CPUs (`mkl_blas_def_xsgemv`: over half of a batch-1 decode
+    step's time). Eagerly the product would be materialized, so the eager path keeps
+    F.linear (benchmarks/README.md, "The single-row products")."""
+    return (
         torch.compiler.is_compiling()
         and isinstance(w, torch.Tensor)
         and w.dtype == torch.float32
         and w.device.type == "cpu"
         and x.shape[0] < SMALL_PRODUCT_ROWS
-    ):
-        return torch.cat([(x[r : r + 1, None, :] * w).sum(-1) for r in range(x.shape[0])])
-    return F.linear(x, w)
+    )
+
+
+def _row_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x @ w.T` as a multiply and a sum a row: inductor fuses the rows' sums into one loop
+    over the weight (one sum over a (rows, out, in) product loops over it once a row: 1.6x
+    slower at 5 rows)."""
+    return torch.cat([(x[r : r + 1, None, :] * w).sum(-1) for r in range(x.shape[0])])
 
 
 def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
