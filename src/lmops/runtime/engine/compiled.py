@@ -144,7 +144,7 @@ class CompiledDecode:
         key = _structure_key(forward, pool)
         shapes = [(b, 1) for b in self.sizes] + [(b, self.verify_len) for b in self.verify_sizes]
         log.info(
-            "compiling decode for (batch size, tokens) %s (on 2 CPU cores: 40-60 s the first time, "
+            "compiling decode for (batch size, tokens) %s (on 2 CPU cores: 40-70 s the first time, "
             "2-3 s from %s after that; LMOPS_COMPILE=0 skips it)",
             shapes,
             self.cache_dir,
