@@ -75,7 +75,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as HF's Llama computes it: in float32, back to x's dtype, then the weight
     (the engine's forward calls this too)."""
     xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * (xf * inv_rms(xf, eps)).to(x.dtype)
+
+
+def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / RMS(x) over the last dimension, kept: RMSNorm's scale of each row."""
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

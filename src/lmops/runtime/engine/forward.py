@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from lmops.runtime.model import Llama, rms_norm, rope_cos_sin
+from lmops.runtime.model import Llama, inv_rms, rms_norm, rope_cos_sin
 
 # Below this many rows a compiled CPU graph computes its float32 projections itself (`linear`);
 # from here on aten.mm's GEMM is as fast (the crossover: benchmarks/README.md, "The single-row products").
@@ -115,8 +115,7 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float) -> to
     scales the product's outputs, not its inputs: inlined into the loop, the norm cost a
     square root per 16 weights read (the LM head over 5 rows 3.6x slower, over 1 row 1.4x)."""
     if _own_loop(x, w):
-        inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return _row_sums(x * norm_weight, w) * inv_rms
+        return _row_sums(x * norm_weight, w) * inv_rms(x, eps)
     return F.linear(rms_norm(x, norm_weight, eps), w)
 
 
