@@ -48,7 +48,7 @@ def recipes(muon_lr: float, other_lrs: list[float]) -> dict[str, dict]:
     muon = {"optimizer": "muon", "muon_lr": muon_lr}
     return {
         BASELINE: {
-            "train": {"optimizer": "adamw", "lr_schedule": "cosine"},
+            "train": {"optimizer": "adamw", "lr_schedule": "cosine", "weight_decay": 0.1},
             "model": {"dropout": 0.0, "qk_norm": False},
         },
         "defaults": {},
@@ -173,7 +173,8 @@ def optimizer_step_ms(base: dict, vocab_size: int, rounds: int = 5, steps: int =
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opts = {
-        o: make_optimizer(model, TrainConfig(optimizer=o), torch.device("cpu")) for o in ("adamw", "muon")
+        o: make_optimizer(model, TrainConfig(optimizer=o, weight_decay=0.1), torch.device("cpu"))
+        for o in ("adamw", "muon")
     }
     times: dict[str, list[float]] = {o: [] for o in opts}
     for _ in range(rounds):

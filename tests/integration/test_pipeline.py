@@ -248,6 +248,7 @@ def test_registry_champion_and_pyfunc(project, monkeypatch):
     logged = run_.data.params
     assert logged["auto.train.lr_schedule"] == logged["train.lr_schedule"] == "wsd"  # a twentieth of a pass
     assert logged["auto.model.dropout"] == logged["model.dropout"] == "0.0"
+    assert logged["auto.train.weight_decay"] == logged["train.weight_decay"] == "0.1"
     assert 0 < float(logged["epochs"]) < 1 and 0 < float(logged["tokens_per_parameter"]) < 1
     # evaluate logs its test numbers only: the validation curve has no stray point at step 0
     assert all(m.step > 0 for m in client.get_metric_history(run_.info.run_id, "loss/val"))

@@ -98,31 +98,38 @@ DEFAULT_RUN_TOKENS = 754 * 16 * 256
 
 
 @pytest.mark.parametrize(
-    ("train_tokens", "dropout", "schedule"),
+    ("train_tokens", "dropout", "schedule", "decay"),
     [
-        (30 * DEFAULT_RUN_TOKENS, 0.0, "wsd"),  # a 1 GB corpus: a thirtieth of a pass
-        (DEFAULT_RUN_TOKENS // 2, 0.0, "wsd"),  # two passes, the last of the few
-        (DEFAULT_RUN_TOKENS // 3, 0.1, "wsd"),  # three
-        (DEFAULT_RUN_TOKENS // 12, 0.2, "plateau"),  # tiny Shakespeare's twelve
+        (30 * DEFAULT_RUN_TOKENS, 0.0, "wsd", 0.1),  # a 1 GB corpus: a thirtieth of a pass
+        (DEFAULT_RUN_TOKENS // 2, 0.0, "wsd", 0.1),  # two passes, the last of the few
+        (DEFAULT_RUN_TOKENS // 3, 0.1, "wsd", 0.1),  # three
+        (DEFAULT_RUN_TOKENS // 4, 0.1, "wsd", 0.1),  # four, the last before many
+        (DEFAULT_RUN_TOKENS // 12, 0.2, "plateau", 1.0),  # tiny Shakespeare's twelve
     ],
 )
-def test_auto_dropout_and_schedule_follow_the_epochs_over_the_data(train_tokens, dropout, schedule):
-    resolved, choices = follow_the_data(parse_params({}), train_tokens)
-    assert (resolved.model.dropout, resolved.model.attention_dropout) == (dropout, 0.0)
-    assert resolved.train.lr_schedule == schedule
+def test_auto_regularisation_and_schedule_follow_the_epochs_over_the_data(
+    train_tokens, dropout, schedule, decay
+):
+    chosen, choices = follow_the_data(parse_params({}), train_tokens)
+    assert (chosen.model.dropout, chosen.model.attention_dropout) == (dropout, 0.0)
+    assert (chosen.train.lr_schedule, chosen.train.weight_decay) == (schedule, decay)
     assert choices == {
         "epochs": pytest.approx(DEFAULT_RUN_TOKENS / train_tokens, abs=1e-3),
         "auto.model.dropout": dropout,
         "auto.model.attention_dropout": 0.0,
         "auto.train.lr_schedule": schedule,
+        "auto.train.weight_decay": decay,
     }
     world_of_two, _ = follow_the_data(parse_params({}), 2 * train_tokens, world=2)  # epochs count every rank
-    assert world_of_two == resolved
+    assert world_of_two == chosen
 
 
 def test_values_given_are_kept_and_auto_choices_change_the_checkpoint_fingerprint():
     given = parse_params(
-        {"model": {"dropout": 0.05, "attention_dropout": 0.1}, "train": {"lr_schedule": "cosine"}}
+        {
+            "model": {"dropout": 0.05, "attention_dropout": 0.1},
+            "train": {"lr_schedule": "cosine", "weight_decay": 0.3},
+        }
     )
     assert follow_the_data(given, 1000) == (given, {"epochs": pytest.approx(DEFAULT_RUN_TOKENS / 1000)})
     attention = parse_params({"model": {"attention_dropout": 0.1}})
@@ -185,10 +192,16 @@ def _step(model, opt, seed: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def resolved(**train) -> TrainConfig:
+    """Train params as make_optimizer gets them: `auto` resolved (follow_the_data), here to the
+    weight decay of a run of a few epochs."""
+    return TrainConfig(weight_decay=0.1, **train)
+
+
 def _trained_pair(tmp_path, cfg: TrainConfig | None = None):
     torch.manual_seed(0)
     model = Llama(CFG)
-    opt = make_optimizer(model, cfg or TrainConfig(), torch.device("cpu"))
+    opt = make_optimizer(model, cfg or resolved(), torch.device("cpu"))
     _step(model, opt, 0)
     save_checkpoint(tmp_path / "ckpt", model, opt, {"step": 1, "history": [], "fingerprint": "f"})
     return model, opt
@@ -196,7 +209,7 @@ def _trained_pair(tmp_path, cfg: TrainConfig | None = None):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_checkpoint_round_trip_restores_weights_optimizer_and_rng_and_the_next_step(tmp_path, optimizer):
-    cfg = TrainConfig(optimizer=optimizer)
+    cfg = resolved(optimizer=optimizer)
     model, opt = _trained_pair(tmp_path, cfg)
     expected_rng_draw = torch.rand(3)
     torch.manual_seed(123)  # disturb the RNG; loading must restore the saved state
@@ -220,7 +233,7 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_rng_and_the_next_s
 @pytest.mark.parametrize("tie_embeddings", [True, False])
 def test_muon_takes_the_decoder_matrices_and_adamw_the_embeddings_head_and_norms(tie_embeddings):
     model = Llama(CFG.model_copy(update={"tie_embeddings": tie_embeddings}))
-    opt = make_optimizer(model, TrainConfig(optimizer="muon", learning_rate=2e-3, muon_lr=1e-2), CPU)
+    opt = make_optimizer(model, resolved(optimizer="muon", learning_rate=2e-3, muon_lr=1e-2), CPU)
     assert isinstance(opt, MuonAdamW)
     muon, adamw = opt.parts
     names = {id(p): n for n, p in model.named_parameters()}
@@ -270,15 +283,15 @@ def test_muon_on_a_parameter_it_cannot_take_names_the_key_and_the_parameter():
         match=r"^train.optimizer: muon updates 2-D matrices only, and "
         r"model.layers.0.mlp.experts has shape \(2, 16, 32\); use train.optimizer: adamw$",
     ):
-        make_optimizer(model, TrainConfig(optimizer="muon"), CPU)
-    make_optimizer(model, TrainConfig(optimizer="adamw"), CPU)  # AdamW takes any shape
+        make_optimizer(model, resolved(optimizer="muon"), CPU)
+    make_optimizer(model, resolved(optimizer="adamw"), CPU)  # AdamW takes any shape
 
 
 def test_truncated_or_corrupt_checkpoint_is_an_error(tmp_path):
     _trained_pair(tmp_path)
     ckpt = tmp_path / "ckpt"
     model = Llama(CFG)
-    opt = make_optimizer(model, TrainConfig(), torch.device("cpu"))
+    opt = make_optimizer(model, resolved(), torch.device("cpu"))
     weights = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(weights[:-100])
     with pytest.raises(LmopsError, match="model.safetensors is corrupt or truncated.*delete"):
@@ -305,13 +318,11 @@ def test_progress_tracks_the_best_evaluation_and_patience():
 def test_checkpoint_carries_the_best_weights(tmp_path):
     model, _ = _trained_pair(tmp_path)
     best = weights_of(model)
-    opt = make_optimizer(model, TrainConfig(), torch.device("cpu"))
+    opt = make_optimizer(model, resolved(), torch.device("cpu"))
     save_checkpoint(tmp_path / "best", model, opt, {"step": 2, "best_step": 1}, best)
     assert "lm_head.weight" not in best  # tied: stored once
     fresh = Llama(CFG)
-    state = load_checkpoint(
-        tmp_path / "best", fresh, make_optimizer(fresh, TrainConfig(), torch.device("cpu"))
-    )
+    state = load_checkpoint(tmp_path / "best", fresh, make_optimizer(fresh, resolved(), torch.device("cpu")))
     assert state["best_step"] == 1 and best.keys() == state["best"].keys()
     assert all(torch.equal(best[k], state["best"][k]) for k in best)
     assert load_checkpoint(tmp_path / "ckpt", model, opt)["best"] is None

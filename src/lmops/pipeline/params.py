@@ -137,7 +137,8 @@ class TrainConfig(_Section):
     # it sits on learning_rate's scale; it follows the same schedule (x muon_lr / learning_rate).
     muon_lr: Annotated[float, Field(gt=0)] = 3e-3
     muon_momentum: Fraction = 0.95  # Nesterov momentum of Muon's updates
-    weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    # Decoupled (lr x weight_decay per step), on matrices; auto: from the epochs, as lr_schedule.
+    weight_decay: Annotated[float, Field(ge=0)] | Literal["auto"] = AUTO
     beta1: Fraction = 0.9
     beta2: Fraction = 0.95
     grad_clip: Annotated[float, Field(ge=0)] = 1.0

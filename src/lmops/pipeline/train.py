@@ -125,9 +125,12 @@ def lr_at(step: int, cfg: TrainConfig, plateau_decays: int = 0) -> float:
 # constant phase lets the same run be trained longer (cosine for a run too short for wsd's
 # warmup and cooldown). Past MANY_EPOCHS the model memorises
 # (validation turns up after ~5 epochs on tiny Shakespeare): dropout on the residual branches
-# (not on the attention weights, which costs 2.3x a CPU step) and plateau, which cuts the rate
-# whenever validation stalls. benchmarks/README.md, "The training recipe", has the measurements.
+# (not on the attention weights, which costs 2.3x a CPU step), plateau, which cuts the rate
+# whenever validation stalls, and a weight decay ten times the usual one (the data-constrained
+# regime's, as in Kim et al. 2025, "Pre-training under infinite compute"). benchmarks/README.md,
+# "The training recipe", has the measurements.
 FEW_EPOCHS, MANY_EPOCHS = 2.0, 4.0
+WEIGHT_DECAY, MANY_EPOCHS_WEIGHT_DECAY = 0.1, 1.0
 
 
 def follow_the_data(params: Params, train_tokens: int, world: int = 1) -> tuple[Params, dict]:
@@ -144,6 +147,8 @@ def follow_the_data(params: Params, train_tokens: int, world: int = 1) -> tuple[
     if cfg.lr_schedule == AUTO:
         fits = cfg.warmup_steps + cooldown_steps(cfg.max_steps, cfg.cooldown_fraction) <= cfg.max_steps
         chosen["train"]["lr_schedule"] = "plateau" if epochs > MANY_EPOCHS else "wsd" if fits else "cosine"
+    if cfg.weight_decay == AUTO:
+        chosen["train"]["weight_decay"] = MANY_EPOCHS_WEIGHT_DECAY if epochs > MANY_EPOCHS else WEIGHT_DECAY
     choices = {f"{section}.{key}": value for section, keys in chosen.items() for key, value in keys.items()}
     if not choices:
         return params, {"epochs": round(epochs, 3)}
