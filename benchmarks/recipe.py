@@ -166,6 +166,7 @@ def optimizer_step_ms(base: dict, vocab_size: int, rounds: int = 5, steps: int =
     coming and going (the training runs are sequential, so their tokens/s are not)."""
     from lmops.pipeline.optim import make_optimizer
     from lmops.pipeline.params import TrainConfig
+    from lmops.pipeline.train import WEIGHT_DECAY
     from lmops.runtime.model import Llama
     from lmops.runtime.model_config import LlamaConfig
 
@@ -173,7 +174,7 @@ def optimizer_step_ms(base: dict, vocab_size: int, rounds: int = 5, steps: int =
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opts = {
-        o: make_optimizer(model, TrainConfig(optimizer=o, weight_decay=0.1), torch.device("cpu"))
+        o: make_optimizer(model, TrainConfig(optimizer=o, weight_decay=WEIGHT_DECAY), torch.device("cpu"))
         for o in ("adamw", "muon")
     }
     times: dict[str, list[float]] = {o: [] for o in opts}

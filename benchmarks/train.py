@@ -32,7 +32,14 @@ import torch
 from engine import RESULTS, write_results
 
 from lmops.pipeline.params import Params, parse_params
-from lmops.pipeline.train import autocast, batch, make_optimizer, measure_peak_flops, resolve_precision
+from lmops.pipeline.train import (
+    WEIGHT_DECAY,
+    autocast,
+    batch,
+    make_optimizer,
+    measure_peak_flops,
+    resolve_precision,
+)
 from lmops.runtime.model import Llama
 from lmops.runtime.model_config import LlamaConfig
 
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     # The step's speed: the default shape, and auto's choices for the default corpus (no dropout).
-    params = parse_params({"model": {"dropout": 0.0}, "train": {"weight_decay": 0.1}})
+    params = parse_params({"model": {"dropout": 0.0}, "train": {"weight_decay": WEIGHT_DECAY}})
     max_seq_len, size = params.model.max_seq_len, params.train.batch_size
     load_before = os.getloadavg()
 

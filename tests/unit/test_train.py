@@ -9,6 +9,7 @@ from lmops.pipeline.checkpoint import fingerprint, load_checkpoint, save_checkpo
 from lmops.pipeline.optim import Muon, MuonAdamW, make_optimizer
 from lmops.pipeline.params import TrainConfig, parse_params
 from lmops.pipeline.train import (
+    WEIGHT_DECAY,
     PeakFlops,
     Progress,
     batch,
@@ -195,7 +196,7 @@ def _step(model, opt, seed: int) -> None:
 def resolved(**train) -> TrainConfig:
     """Train params as make_optimizer gets them: `auto` resolved (follow_the_data), here to the
     weight decay of a run of a few epochs."""
-    return TrainConfig(weight_decay=0.1, **train)
+    return TrainConfig(weight_decay=WEIGHT_DECAY, **train)
 
 
 def _trained_pair(tmp_path, cfg: TrainConfig | None = None):
