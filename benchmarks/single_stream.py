@@ -2,7 +2,7 @@
 a baseline commit, in one run.
 
     python benchmarks/single_stream.py [--baseline REV] [--threads 1 2] [--rounds 7] [--speculative 4]
-        [--draft-model target|tiny] [--model DIR --prompts-from TEXT [--num-prompts 8]] [--quick]
+        [--scheduler-steps 4] [--draft-model target|tiny] [--model DIR --prompts-from TEXT [--num-prompts 8]] [--quick]
 
 All engines run the same random default-size model (benchmarks/engine.py's, context 1024)
 and the same greedy request (128-token prompt, 128 new tokens, EOS ignored), compiled decode
@@ -19,7 +19,8 @@ adds a third worker: the engine as it is with `num_speculative_tokens=K` (and it
 acceptance rate: accepted / drafted tokens); with `--draft-model` its drafts come from a draft
 model instead of prompt lookup: `target` (the benchmark's model as its own draft: every
 draft kept, so it measures what drafting costs) or `tiny` (a random tiny model with the same
-tokenizer: nearly every draft rejected). `--ctranslate2` adds CTranslate2's Generator
+tokenizer: nearly every draft rejected). `--scheduler-steps S` adds the engine as it is with
+multi-step decoding (`num_scheduler_steps=S`: S greedy steps a graph call). `--ctranslate2` adds CTranslate2's Generator
 on the same model (fp32, converted by its own Transformers converter; greedy through
 `generate_tokens`). Every worker's greedy tokens must be the baseline's. Writes benchmarks/results/single-stream-cpu.json.
 """
@@ -46,10 +47,10 @@ REPO = Path(__file__).resolve().parents[1]
 # The engine before issue 34 (the four-verb step, one forward, the latency work).
 BASELINE = "6045f25"
 PROMPT_LEN = 128
-ENGINES = ("baseline", "now", "speculative", "ctranslate2")
+ENGINES = ("baseline", "now", "multi-step", "speculative", "ctranslate2")
 
 
-def worker(model_dir: Path, threads: int, speculative: int, draft_dir: Path | None) -> None:
+def worker(model_dir: Path, threads: int, speculative: int, draft_dir: Path | None, steps: int) -> None:
     """Serve requests from stdin (one JSON line: prompt ids and new tokens), answer one JSON
     line each."""
     import torch
@@ -60,6 +61,8 @@ def worker(model_dir: Path, threads: int, speculative: int, draft_dir: Path | No
     spec = {"num_speculative_tokens": speculative} if speculative else {}
     if draft_dir is not None:
         spec["speculative_model"] = str(draft_dir)
+    if steps > 1:
+        spec["num_scheduler_steps"] = steps
     engine = LLMEngine.from_pretrained(model_dir, device="cpu", compile=True, drift_sample=0, **spec)
     print(json.dumps({"ready": True, "compiled": engine.runner.decode is not None}), flush=True)
     for i, line in enumerate(sys.stdin):
@@ -118,12 +121,13 @@ class Worker:
         speculative: int,
         draft_dir: Path | None,
         ct2_dir: Path | None = None,
+        steps: int = 1,
     ):
         """An lmops worker with `src` on its path; with `ct2_dir` (`convert_to_ctranslate2`), a
         CTranslate2 one."""
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, __file__, "--worker", str(model_dir), "--threads", str(threads)]
-        cmd += ["--speculative", str(speculative)]
+        cmd += ["--speculative", str(speculative), "--scheduler-steps", str(steps)]
         if speculative and draft_dir is not None:
             cmd += ["--draft-dir", str(draft_dir)]
         if ct2_dir is not None:
@@ -196,6 +200,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--speculative", type=int, default=0, help="also the engine with this many draft tokens")
     ap.add_argument(
+        "--scheduler-steps",
+        type=int,
+        default=1,
+        help="also the engine with multi-step decoding of this many steps",
+    )
+    ap.add_argument(
         "--draft-model",
         choices=["target", "tiny"],
         help="with --speculative: drafts from a draft model (the target itself, or a tiny random one)",
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.worker and args.ctranslate2_dir:
         return ctranslate2_worker(args.ctranslate2_dir, args.worker, args.threads[0])
     if args.worker:
-        return worker(args.worker, args.threads[0], args.speculative, args.draft_dir)
+        return worker(args.worker, args.threads[0], args.speculative, args.draft_dir, args.scheduler_steps)
     if args.draft_model and not args.speculative:
         ap.error("--draft-model drafts --speculative K tokens a step: give K")
     if args.quick:
@@ -236,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "prompt_tokens": PROMPT_LEN,
         "new_tokens": new,
         "draft_model": args.draft_model,
+        "scheduler_steps": args.scheduler_steps,
         "model": str(args.model) if args.model else "random, default size",
         "prompts_from": str(args.prompts_from) if args.prompts_from else None,
     }
@@ -252,20 +263,23 @@ def main(argv: list[str] | None = None) -> dict | None:
         draft_dir = {"target": model_dir, None: None}.get(args.draft_model)
         if args.draft_model == "tiny":
             draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE, qk_norm=False)
-        # name -> (lmops source, draft tokens, a CTranslate2 model)
+        # name -> (lmops source, draft tokens, a CTranslate2 model, scheduler steps)
         sources = {
-            "baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0, None),
-            "now": (REPO / "src", 0, None),
+            "baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0, None, 1),
+            "now": (REPO / "src", 0, None, 1),
         }
+        if args.scheduler_steps > 1:
+            sources["multi-step"] = (REPO / "src", 0, None, args.scheduler_steps)
         if args.speculative:
-            sources["speculative"] = (REPO / "src", args.speculative, None)
+            sources["speculative"] = (REPO / "src", args.speculative, None, 1)
         if args.ctranslate2:
-            sources["ctranslate2"] = (REPO / "src", 0, convert_to_ctranslate2(model_dir, Path(tmp) / "ct2"))
+            ct2_dir = convert_to_ctranslate2(model_dir, Path(tmp) / "ct2")
+            sources["ctranslate2"] = (REPO / "src", 0, ct2_dir, 1)
         res["by_threads"] = {}
         for threads in args.threads:
             workers = {
-                name: Worker(src, model_dir, threads, k, draft_dir, ct2)
-                for name, (src, k, ct2) in sources.items()
+                name: Worker(src, model_dir, threads, k, draft_dir, ct2, steps)
+                for name, (src, k, ct2, steps) in sources.items()
             }
             runs: dict[str, list[dict]] = {name: [] for name in workers}
             for _ in range(args.rounds):

@@ -59,7 +59,7 @@ def test_padding_rows_leave_the_managed_blocks_alone(compiled_engine, prompts):
     assert scratch == engine.block_manager.num_blocks == engine.pool.num_blocks - 1
     before = engine.pool.kv[:, :, :scratch].clone()
     with torch.inference_mode():  # as the runner calls it (another mode would recompile)
-        engine.runner.decode._run([], 4, 1)
+        engine.runner.decode._run([], engine.runner.decode._steps[4, 1], 4, 1)
     assert torch.equal(engine.pool.kv[:, :, :scratch], before)
 
 
@@ -245,6 +245,88 @@ def test_right_drafts_are_kept_in_five_graph_calls(model_dir, speculative_engine
     assert calls == [1]  # the prefill's token; every verification took the graph's argmax
     # 1 (the prefill) + 5 + 5 + 4 + 4 + 1: the last token has no room for a draft
     assert [n for _, n in served] == [5, 5, 4, 4, 1]
+
+
+@pytest.fixture(scope="module")
+def multi_step_engine(model_dir):
+    """Multi-step decoding, 4 steps a graph call, beside the plain decode graphs."""
+    return LLMEngine.from_pretrained(
+        model_dir, device="cpu", max_num_seqs=3, compile=True, num_scheduler_steps=4
+    )
+
+
+@pytest.fixture(scope="module")
+def eager_engine(model_dir):
+    return LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=False)
+
+
+def test_multi_step_makes_greedys_tokens_four_a_graph_call(
+    multi_step_engine, eager_engine, prompts, monkeypatch, all_blocks_free
+):
+    """A lone greedy request: each step after the prefill runs 4 decode steps in one graph
+    call, each step's argmax the next one's input, to eager one-step greedy's tokens; the
+    last 3 tokens, too few for a whole run, one step each. No sampler after the prefill."""
+    engine = multi_step_engine
+    wants = [eager_engine.generate([p], GREEDY)[0].token_ids for p in (prompts[2], prompts[9])]
+    served = served_by_graphs(engine)
+    value = engine.metrics.registry.get_sample_value
+    tokens_before = value("lmops:generation_tokens_total")
+    calls = []
+    real = engine_module.sample
+    monkeypatch.setattr(
+        engine_module, "sample", lambda logits, *a: calls.append(len(logits)) or real(logits, *a)
+    )
+    for prompt, want in zip((prompts[2], prompts[9]), wants, strict=True):
+        served.clear()
+        assert engine.generate([prompt], GREEDY)[0].token_ids == want
+        # 1 (the prefill) + 4 x 4 + 1 + 1 + 1 = 20 tokens
+        assert [n for _, n in served] == [4, 4, 4, 4, 1, 1, 1]
+    assert calls == [1, 1]  # the prefills' tokens only
+    assert value("lmops:generation_tokens_total") - tokens_before == 2 * GREEDY.max_tokens
+    all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 8, 13])
+def test_multi_step_stops_where_one_step_greedy_stops(
+    multi_step_engine, eager_engine, prompts, max_tokens, all_blocks_free
+):
+    """A stop token, a stop string or EOS inside a run of steps ends the output there (the
+    run's later tokens are dropped and their blocks freed), as one-step greedy ends it; and
+    any max_tokens is met exactly."""
+    prompt = prompts[5]
+    want = eager_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    stop_token = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[want.token_ids[6]])
+    stop_text = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[want.text[-12:-8]])
+    for params in (stop_token, stop_text, SamplingParams(temperature=0, max_tokens=max_tokens)):
+        got, ref = multi_step_engine.generate([prompt], params)[0], eager_engine.generate([prompt], params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+    all_blocks_free(multi_step_engine)
+
+
+def test_multi_step_only_for_a_lone_plain_greedy_request(multi_step_engine, eager_engine, prompts):
+    """Two requests at once, a sampled request, and one asking for log-probs decode one step
+    at a time (a newcomer would wait for a whole run; the sampler runs between steps), to the
+    same tokens as without multi-step."""
+    engine = multi_step_engine
+    served = served_by_graphs(engine)
+    two = [o.token_ids for o in engine.generate(prompts[3:5], GREEDY)]
+    assert two == [o.token_ids for o in eager_engine.generate(prompts[3:5], GREEDY)]
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+    for params in (seeded, with_logprobs):
+        got = engine.generate([prompts[6]], params)[0]
+        assert got.token_ids == eager_engine.generate([prompts[6]], params)[0].token_ids
+    assert served and all(n == 1 for _, n in served)
+
+
+def test_multi_step_is_a_compiled_path_only(model_dir, prompts):
+    """Without compiled decode (LMOPS_COMPILE=0, CUDA) the setting has no graph to run: one
+    step at a time."""
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", compile=False, num_scheduler_steps=4)
+    assert engine.runner.scheduler_steps == 1 and engine.scheduler.num_scheduler_steps == 1
+    assert len(engine.generate([prompts[2]], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    with pytest.raises(ValueError, match="num_scheduler_steps must be an integer >= 1, got 0"):
+        EngineConfig(num_scheduler_steps=0)
 
 
 @pytest.mark.parametrize("rows", [1, 5, SMALL_PRODUCT_ROWS])

@@ -3,8 +3,11 @@ compiled once at engine start, so a step runs as one generated kernel sequence i
 a few hundred eagerly dispatched small ops (at batch 1 a decode step is mostly that
 overhead; see benchmarks/README.md). With speculative decoding, a step whose decodes
 carry drafts runs through graphs of 1 + K tokens a sequence the same way (each token sees
-its sequence's cache and, causally, the step's earlier tokens). Any other step (prefills,
-mixed batches, more sequences than the largest size) takes the runner's eager path.
+its sequence's cache and, causally, the step's earlier tokens). With multi-step decoding
+(`num_scheduler_steps` S), a lone greedy decode runs S steps in one graph, each step's
+argmax the next one's input: one call, and one pass of the Python around it, for S tokens.
+Any other step (prefills, mixed batches, more sequences than the largest size) takes the
+runner's eager path.
 
 CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs
 for the GPU are not written yet (nothing here could test them), so CUDA stays eager.
@@ -63,19 +66,30 @@ class DecodeAttention:
     pool layer, every layer).
     """
 
-    def __init__(self, kv: torch.Tensor, tables: torch.Tensor, cached: torch.Tensor, groups: int):
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        tables: torch.Tensor,
+        cached: torch.Tensor,
+        groups: int,
+        earlier: list[torch.Tensor] | None = None,
+    ):
         """`cached` (B * T,): how many of its sequence's cached keys each row sees; `groups`
-        query heads share a KV head."""
-        self.kv, self.tables = kv, tables
+        query heads share a KV head; `earlier` (multi-step, one sequence): each layer's K/V
+        of the tokens the graph's earlier steps computed, (2 * Hkv, steps, D), seen by every
+        row after the cache."""
+        self.kv, self.tables, self.earlier = kv, tables, earlier
         self.new_kv: list[torch.Tensor] = []
         B = tables.shape[0]
         self.T = T = cached.shape[0] // B
         width = tables.shape[1] * kv.shape[3]
-        # (B, T, keys + T): cached key j is visible iff j < the row's cached count; the
-        # step's new key t to query i iff t <= i.
+        steps = 0 if earlier is None else earlier[0].shape[1]
+        # (B, T, keys + steps + T): cached key j is visible iff j < the row's cached count;
+        # the earlier steps' keys always; the step's new key t to query i iff t <= i.
         old = torch.arange(width, device=kv.device) < cached.view(B, T, 1)
+        before = torch.ones(B, T, steps, dtype=torch.bool, device=kv.device)
         new = torch.ones(T, T, dtype=torch.bool, device=kv.device).tril().expand(B, T, T)
-        valid = torch.cat((old, new), 2)
+        valid = torch.cat((old, before, new), 2)
         rows = torch.zeros(valid.shape, dtype=kv.dtype, device=kv.device).masked_fill(~valid, float("-inf"))
         # The query rows are (head, token) pairs: each token's row, the same for its G heads.
         self.mask = rows[:, None].expand(B, groups, T, -1).reshape(1, B, groups * T, -1)
@@ -88,7 +102,9 @@ class DecodeAttention:
         new = kv.transpose(0, 1)  # (2Hkv, B * T, D)
         self.new_kv.append(new)
         ctx = self.kv[layer].index_select(1, self.tables.view(-1)).view(2 * Hkv, B, -1, D)
-        ctx = torch.cat((ctx, new.view(2 * Hkv, B, T, D)), 2)
+        if self.earlier is not None:  # one sequence: its rows are the steps' tokens in order
+            new = torch.cat((self.earlier[layer], new), 1)
+        ctx = torch.cat((ctx, new.view(2 * Hkv, B, -1, D)), 2)
         # (Hkv, B, G * T, D): the G query heads x T tokens that share a KV head.
         qg = q.view(B, T, Hkv, G, D).permute(2, 0, 3, 1, 4).reshape(Hkv, B, G * T, D)
         # Written out, not SDPA: with a few query rows a head, SDPA's flash kernel costs
@@ -104,7 +120,8 @@ class CompiledDecode:
     """Decode steps of up to `max(sizes)` sequences through per-size compiled graphs; with
     `num_speculative_tokens` K, also the steps that verify drafts (every sequence a decode
     with up to K draft tokens), through graphs of 1 + K tokens a sequence for the sizes of
-    at most 16 tokens in all, so that single-stream speculative decoding runs compiled too."""
+    at most 16 tokens in all, so that single-stream speculative decoding runs compiled too;
+    with `scheduler_steps` S > 1, also S greedy steps of one sequence in one graph."""
 
     def __init__(
         self,
@@ -113,6 +130,7 @@ class CompiledDecode:
         scratch_block: int,
         max_num_seqs: int,
         num_speculative_tokens: int = 0,
+        scheduler_steps: int = 1,
     ):
         self.forward, self.pool = forward, pool
         self.block_size = pool.block_size
@@ -139,7 +157,8 @@ class CompiledDecode:
         # cpp_wrapper: the code that calls the step's kernels is C++ too, not Python
         # (less per step at batch 1; benchmarks/README.md, "Inference engine").
         options = {"cpp_wrapper": True, "guard_filter_fn": lambda guards: [False] * len(guards)}
-        self._compiler = torch.compile(self._eager_step, fullgraph=True, options=options)
+        one_step = torch.compile(self._eager_step, fullgraph=True, options=options)
+        multi_step = torch.compile(self._eager_steps, fullgraph=True, options=options)
         # (Imported here: torch._dynamo takes a second to import, which an engine that
         # does not compile need not pay.)
         from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -147,26 +166,35 @@ class CompiledDecode:
         self.cache_dir = Path(cache_dir()) / "lmops-decode"
         key = _structure_key(forward, pool)
         shapes = [(b, 1) for b in self.sizes] + [(b, self.verify_len) for b in self.verify_sizes]
+        self.scheduler_steps = scheduler_steps
         log.info(
-            "compiling decode for (batch size, tokens) %s (on 2 CPU cores: 40-70 s the first time, "
+            "compiling decode for (batch size, tokens) %s%s (on 2 CPU cores: 40-70 s the first time, "
             "2-3 s from %s after that; LMOPS_COMPILE=0 skips it)",
             shapes,
+            f" and {scheduler_steps} steps of one sequence" if scheduler_steps > 1 else "",
             self.cache_dir,
         )
         t = time.perf_counter()
-        self._steps = {
-            (b, n): self._load_or_compile(b, n, f"{key}-b{b}" + f"t{n}" * (n > 1) + ".bin") for b, n in shapes
+        graphs = {
+            (b, n): self._load_or_compile(one_step, b, n, f"{key}-b{b}" + f"t{n}" * (n > 1))
+            for b, n in shapes
         }
+        steps = scheduler_steps
+        multi = self._load_or_compile(multi_step, 1, steps, f"{key}-b1s{steps}") if steps > 1 else None
+        # Kept on self only now: dynamo pickles what the traced method's `self` holds into a
+        # graph's guards, and a compiled graph there cannot be pickled.
+        self._steps, self._multi_step = graphs, multi
         self.compile_seconds = time.perf_counter() - t
-        log.info("compiled decode for %s in %.1f s", shapes, self.compile_seconds)
+        log.info("compiled decode in %.1f s", self.compile_seconds)
 
-    def _load_or_compile(self, size: int, tokens: int, name: str) -> AOTCompiledFunction:
-        """The graph for `size` from the on-disk cache, else compiled and saved there.
+    def _load_or_compile(self, compiler, size: int, tokens: int, name: str) -> AOTCompiledFunction:
+        """`compiler`'s graph for `size` sequences of `tokens` rows from the on-disk cache,
+        else compiled and saved there.
         aot_compile bypasses inductor's own cache (it compiled afresh, 30 s for the
         default model's 5 sizes, at every start); a saved graph loads in milliseconds."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
-        path = self.cache_dir / name
+        path = self.cache_dir / f"{name}.bin"
         if str(path) in _LOADED:
             return _LOADED[str(path)]
         step = None
@@ -184,7 +212,7 @@ class CompiledDecode:
             torch._dynamo.mark_static(tables, 0)
             torch._dynamo.mark_dynamic(tables, 1)
             with torch.inference_mode():
-                step = self._compiler.aot_compile(((meta, tables), {}))
+                step = compiler.aot_compile(((meta, tables), {}))
             try:
                 atomic.write_bytes(path, AOTCompiledFunction.serialize(step).serialized_data)
             except OSError as exc:
@@ -203,11 +231,30 @@ class CompiledDecode:
         logits = self.forward.logits(self.forward(meta[0], meta[1], attn))
         return logits, logits.argmax(-1), torch.stack(attn.new_kv)
 
-    def _run(self, seqs: list[Sequence], size: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The graph of (`size`, `tokens`) on `seqs`, padded: logits and argmax of every row;
-        the step's K/V written into the pool."""
+    def _eager_steps(self, meta, tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Multi-step decoding: `meta.shape[1]` greedy steps of one sequence, step j's input
+        the argmax of step j - 1 (meta's ids after the first are not read), each attending
+        to the cache and to the K/V of the steps before it. `_eager_step`'s outputs, a row a
+        step."""
+        groups = self.forward.n_head // self.forward.n_kv
+        ids, earlier = meta[0, :1], None
+        logits, argmax = [], []
+        for j in range(meta.shape[1]):
+            attn = DecodeAttention(self.pool.kv, tables, meta[3, j : j + 1], groups, earlier)
+            logits.append(self.forward.logits(self.forward(ids, meta[1, j : j + 1], attn)))
+            ids = logits[-1].argmax(-1)
+            argmax.append(ids)
+            new_kv = attn.new_kv
+            earlier = (
+                new_kv if earlier is None else [torch.cat((earlier[i], kv), 1) for i, kv in enumerate(new_kv)]
+            )
+        return torch.cat(logits), torch.cat(argmax), torch.stack(earlier)
+
+    def _run(self, seqs: list[Sequence], graph, size: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`graph` (of `size` sequences, `tokens` rows each) on `seqs`, padded: logits and
+        argmax of every row; the step's K/V written into the pool."""
         meta, tables = self._inputs(seqs, size, tokens)
-        logits, argmax, new_kv = self._steps[size, tokens](self, meta, tables)
+        logits, argmax, new_kv = graph(self, meta, tables)
         kv = self.pool.kv
         L, H2, nb, bs, D = kv.shape
         kv.view(L, H2, nb * bs, D).index_copy_(2, meta[2], new_kv)
@@ -217,13 +264,14 @@ class CompiledDecode:
         """(4, size * tokens): ids, positions, slots and cached keys seen, `tokens` rows a
         sequence (its last token, then its draft); (size, width) block tables. Padded, to
         `tokens` rows a sequence and to `size` sequences, with rows that write only the
-        scratch block (causal attention keeps them out of the real rows)."""
+        scratch block (causal attention keeps them out of the real rows). A multi-step
+        sequence's rows after the first are its lookahead: ids the graph makes itself."""
         bs = self.block_size
         ids, pos, slots, cached, tables = [], [], [], [], []
         width = 2
         for s in seqs:
             p = s.num_computed_tokens
-            new = [s.token_ids[p], *s.draft]
+            new = [s.token_ids[p], *s.draft] + [0] * s.lookahead
             fill = tokens - len(new)
             ids += new + [0] * fill
             pos += list(range(p, p + len(new))) + [p] * fill
@@ -242,15 +290,17 @@ class CompiledDecode:
     def run(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """If this is a step it serves (every sequence a decode, with or without a draft):
         logits and their argmax, one row per sequence and draft token, in the runner's
-        order (a sequence's draft rows first, as RunnerOutput); else None."""
+        order (a sequence's draft or lookahead rows first, as RunnerOutput); else None."""
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):
             return None
+        if seqs[0].lookahead:  # the scheduler gives a lookahead to a lone sequence only
+            return self._run(seqs, self._multi_step, 1, self.scheduler_steps)
         tokens = 1 if all(n == 1 for n in num_new) else self.verify_len
         sizes = self.sizes if tokens == 1 else self.verify_sizes
         if not sizes or len(seqs) > sizes[-1] or max(num_new) > tokens:
             return None
         size = next(b for b in sizes if b >= len(seqs))
-        logits, argmax = self._run(seqs, size, tokens)
+        logits, argmax = self._run(seqs, self._steps[size, tokens], size, tokens)
         if tokens == 1:
             return logits[: len(seqs)], argmax[: len(seqs)]
         rows = torch.tensor(

@@ -137,6 +137,10 @@ class EngineConfig:
     # tokenizer.json) whose greedy tokens are the drafts instead of prompt lookup's; None:
     # prompt lookup. Needs num_speculative_tokens >= 1.
     speculative_model: str | None = None
+    # Multi-step decoding (vLLM's num_scheduler_steps): a lone greedy request runs this many
+    # decode steps in one compiled graph call, so the Python step around the graph is paid
+    # once for them (its tokens stream in runs of this many). CPU with `compile` only; 1: off.
+    num_scheduler_steps: int = 1
     # vLLM's: "fcfs" serves requests in arrival order; "priority" serves the lowest
     # `priority` first (ties by arrival) and preempts the highest when blocks run out.
     scheduling_policy: str = "fcfs"
@@ -144,7 +148,13 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | str | dict | None = None
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "grammar_cache_size"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "grammar_cache_size",
+            "num_scheduler_steps",
+        ):
             positive_int(name, getattr(self, name))
         if isinstance(self.drift_sample, bool) or not isinstance(self.drift_sample, int | float):
             raise ValueError(f"drift_sample must be a number in [0, 1], got {self.drift_sample!r}")

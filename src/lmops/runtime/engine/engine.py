@@ -130,6 +130,13 @@ class LLMEngine:
                 self.device,
                 self.dtype,
             )
+        self.runner = ModelRunner(
+            model,
+            self.pool,
+            compile_up_to,
+            engine_config.num_speculative_tokens,
+            engine_config.num_scheduler_steps,
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             self.max_num_seqs,
@@ -138,8 +145,8 @@ class LLMEngine:
             engine_config.num_speculative_tokens,
             engine_config.scheduling_policy,
             self.draft_model,
+            self.runner.scheduler_steps,
         )
-        self.runner = ModelRunner(model, self.pool, compile_up_to, engine_config.num_speculative_tokens)
         self.reset_metrics()
         self.requests: dict[str, Request] = {}
         # Drift sampling is systematic (every 1/drift_sample-th request), so runs are reproducible.
@@ -418,6 +425,8 @@ class LLMEngine:
                 if seq.draft:
                     verdict = greedy_verdict(tokens[row - len(seq.draft) : row + 1], seq.draft)
                     self._keep(result, k, seq.draft, *verdict)
+                elif seq.lookahead:  # multi-step: the graph's own greedy tokens, all kept
+                    result.accepted[k] = tokens[row - seq.lookahead : row]
             return result
         logits = output.logits
         if batch.sample_rows != list(range(len(logits))):

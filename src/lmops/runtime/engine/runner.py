@@ -149,17 +149,31 @@ class ModelRunner:
     """`compile_up_to` > 0 compiles decode steps of up to that many sequences (compiled.py),
     with the pool's last block, which the block manager must not hand out, as scratch."""
 
-    def __init__(self, model: Llama, pool: KVPool, compile_up_to: int = 0, num_speculative_tokens: int = 0):
+    def __init__(
+        self,
+        model: Llama,
+        pool: KVPool,
+        compile_up_to: int = 0,
+        num_speculative_tokens: int = 0,
+        num_scheduler_steps: int = 1,
+    ):
         self.model, self.pool = model, pool
         self.forward = FusedForward(model)
         self.decode: CompiledDecode | None = None
         if compile_up_to:
             try:
                 self.decode = CompiledDecode(
-                    self.forward, pool, pool.num_blocks - 1, compile_up_to, num_speculative_tokens
+                    self.forward,
+                    pool,
+                    pool.num_blocks - 1,
+                    compile_up_to,
+                    num_speculative_tokens,
+                    num_scheduler_steps,
                 )
             except Exception as exc:  # e.g. no C++ compiler in a slim image: eager still works
                 log.warning("compiled decode unavailable, decoding eagerly: %s", exc)
+        # Multi-step decoding runs only in its compiled graph: eagerly, one step at a time.
+        self.scheduler_steps = self.decode.scheduler_steps if self.decode is not None else 1
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = pool.block_size

@@ -17,6 +17,10 @@ last token, and the verifier keeps the prefix that greedy decoding would have pr
 anyway, or, for a sampled request, what rejection sampling accepts (engine.py's `_verify`,
 sampling.py's `speculative_sample`).
 
+With `num_scheduler_steps` S (vLLM's multi-step scheduling), a lone greedy decode gets a
+lookahead of S - 1 tokens: the compiled graph generates them after its next token, each
+step's argmax the next one's input, so one step of the engine makes S tokens (compiled.py).
+
 `update` is the step's other half: it applies what the runner computed and the sampler
 drew (tokens appended, prompt scores recorded, rejected draft tokens rolled back, finished
 sequences freed), as nano-vllm's `postprocess` and vLLM's `update_from_output`.
@@ -96,6 +100,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         policy: str = "fcfs",
         proposer: Proposer | None = None,
+        num_scheduler_steps: int = 1,
     ):
         self.bm = block_manager
         self.by_priority = policy == "priority"
@@ -104,6 +109,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.num_speculative_tokens = num_speculative_tokens
         self.proposer = proposer or NgramProposer()
+        self.num_scheduler_steps = num_scheduler_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -140,6 +146,9 @@ class Scheduler:
                 if decodes and self.num_speculative_tokens:
                     seq.draft = self._draft(seq, budget - 1)
                     n += len(seq.draft)
+                if decodes and not seq.draft:
+                    seq.lookahead = self._lookahead(seq, budget - 1)
+                    n += seq.lookahead
                 while (copies := self.bm.allocate(seq, seq.num_computed_tokens + n)) is None:
                     victim = next(
                         s for s in reversed(order) if s.status is Status.RUNNING and s.seq_id not in scheduled
@@ -166,7 +175,7 @@ class Scheduler:
             if seq.num_computed_tokens + n < seq.num_tokens:
                 continue
             batch.ready.append(i)
-            rows += 1 + len(seq.draft)
+            rows += 1 + len(seq.draft) + seq.lookahead
             row = rows - 1  # a drafted sequence samples from the row after its draft
             family = [seq, *self._fork(seq)]
             if seq.request.max_tokens == 0:  # prompt log-probs only: nothing to sample
@@ -190,6 +199,21 @@ class Scheduler:
         if draft and self.bm.num_new_blocks(seq, seq.num_tokens + len(draft)) > self.bm.num_free_blocks:
             return []
         return draft
+
+    def _lookahead(self, seq: Sequence, room: int) -> int:
+        """`num_scheduler_steps` - 1 for a decode that is the only sequence, nothing waiting
+        (a newcomer would wait for the whole run of steps), plain greedy (a sampled, masked or
+        logprobs row needs the sampler between steps), within `room`, the request's
+        max_tokens and the free blocks; else 0. All or nothing: the graph runs S steps."""
+        k = self.num_scheduler_steps - 1
+        alone = len(self.running) == 1 and not self.waiting and not seq.pending_forks
+        if not k or not alone or not seq.params.plain_greedy or seq.grammar is not None:
+            return 0
+        if k > min(room, seq.request.max_tokens - seq.num_output_tokens - 1):
+            return 0
+        if self.bm.num_new_blocks(seq, seq.num_tokens + k) > self.bm.num_free_blocks:
+            return 0
+        return k
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """At the first sample of an n > 1 request: siblings sharing the prompt's blocks."""
@@ -218,10 +242,10 @@ class Scheduler:
             update.requests.setdefault(seq.request.request_id, seq.request)
         for k, seq in enumerate(batch.samples):
             req = seq.request
-            accepted, drafted = sampled.accepted.get(k, []), bool(seq.draft)
-            if drafted:  # KV rollback: the rejected tokens' slots are rewritten when reached
-                seq.num_computed_tokens -= len(seq.draft) - len(accepted)
-                seq.draft = []
+            accepted, ahead = sampled.accepted.get(k, []), len(seq.draft) + seq.lookahead
+            if ahead:  # KV rollback: the rejected tokens' slots are rewritten when reached
+                seq.num_computed_tokens -= ahead - len(accepted)
+                seq.draft, seq.lookahead = [], 0
             tokens = [*accepted, sampled.token_ids[k]]
             for j, token in enumerate(tokens):
                 logprob = sampled.logprobs[k] if j == len(tokens) - 1 else None
@@ -231,7 +255,7 @@ class Scheduler:
                     break
             if seq.is_finished:
                 self.remove(seq)
-            elif drafted:
+            elif ahead:
                 self.bm.truncate(seq, seq.num_tokens)
             update.requests.setdefault(req.request_id, req)
         return update
@@ -272,7 +296,7 @@ class Scheduler:
         self.bm.free(seq)
         self.proposer.drop(seq)
         seq.num_computed_tokens = 0
-        seq.draft = []
+        seq.draft, seq.lookahead = [], 0
         seq.status = Status.WAITING
         if self.by_priority:
             self._enqueue(seq)  # before later arrivals of its priority

@@ -131,6 +131,9 @@ class Sequence:
         # Speculative decoding: tokens proposed for this step after the last one (scheduler.py),
         # computed with it and kept as far as greedy decoding agrees.
         self.draft: list[int] = []
+        # Multi-step decoding: how many tokens after the next one this step's graph generates
+        # itself (greedy, so all are kept); their slots are reserved as a draft's are.
+        self.lookahead = 0
         self.generator = generator
         self.detok = detok
         self.text = ""  # decoded output, including a tail held back for stop strings
