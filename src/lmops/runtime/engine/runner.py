@@ -46,8 +46,8 @@ _MAX_GROUP_QUERY = 64
 @dataclass
 class RunnerOutput:
     """What one step computed: float32 logits for the sequences due a token (one row each, in
-    `batch.ready` order; a drafted one's draft rows first), and the prompt positions scored
-    (drift signal, prompt_logprobs)."""
+    `batch.ready` order; a drafted one's draft rows first, a multi-step one's lookahead rows
+    first), and the prompt positions scored (drift signal, prompt_logprobs)."""
 
     logits: torch.Tensor
     prompt_scores: list[PromptScores]
