@@ -244,9 +244,10 @@ class CompiledDecode:
             logits.append(self.forward.logits(self.forward(ids, meta[1, j : j + 1], attn)))
             ids = logits[-1].argmax(-1)
             argmax.append(ids)
-            new_kv = attn.new_kv
             earlier = (
-                new_kv if earlier is None else [torch.cat((earlier[i], kv), 1) for i, kv in enumerate(new_kv)]
+                attn.new_kv
+                if earlier is None
+                else [torch.cat(p, 1) for p in zip(earlier, attn.new_kv, strict=True)]
             )
         return torch.cat(logits), torch.cat(argmax), torch.stack(earlier)
 
