@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine import RESULTS, build_random_model, convert_to_ctranslate2, write_results
+from engine import RESULTS, build_random_model, convert_to_ctranslate2, cpu_description, write_results
 
 from lmops.runtime.model_config import TINY_SHAPE
 
@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "new_tokens": new,
         "draft_model": args.draft_model,
         "scheduler_steps": args.scheduler_steps,
+        "cpu": cpu_description(),
         "model": str(args.model) if args.model else "random, default size",
         "prompts_from": str(args.prompts_from) if args.prompts_from else None,
     }
