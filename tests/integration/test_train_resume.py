@@ -12,7 +12,7 @@ import yaml
 
 from lmops.crash_points import ENV as CRASH_AT
 from tests.conftest import BIN, env, run
-from tests.integration.training import copy_project, mlflow_run, val_losses, weights, with_dropout_and_average
+from tests.integration.training import copy_project, mlflow_run, val_losses, weights, with_dropout
 
 pytestmark = pytest.mark.slow
 
@@ -21,15 +21,13 @@ pytestmark = pytest.mark.slow
 def eager(tokenized_project, tmp_path_factory):
     """One uninterrupted eager run with dropout: what a resumed run must reproduce, and what
     a compiled run must track."""
-    project = with_dropout_and_average(
-        copy_project(tokenized_project, tmp_path_factory.mktemp("eager") / "p"), False
-    )
+    project = with_dropout(copy_project(tokenized_project, tmp_path_factory.mktemp("eager") / "p"), False)
     run([str(BIN / "lmops"), "train"], project)
     return project
 
 
 def test_sigkilled_training_resumes_to_the_same_weights(eager, tokenized_project, tmp_path):
-    killed = with_dropout_and_average(copy_project(tokenized_project, tmp_path / "killed"), compile=False)
+    killed = with_dropout(copy_project(tokenized_project, tmp_path / "killed"), compile=False)
     crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), CRASH_AT: "train.step:15"})
     assert crash.returncode == -signal.SIGKILL
     state = json.loads((killed / "artifacts/checkpoints/state.json").read_text())
@@ -53,14 +51,14 @@ def test_sigkilled_training_resumes_to_the_same_weights(eager, tokenized_project
 
 
 def test_compiled_training_follows_eager_and_resumes_exactly(eager, tokenized_project, tmp_path):
-    straight = with_dropout_and_average(copy_project(tokenized_project, tmp_path / "straight"), compile=True)
+    straight = with_dropout(copy_project(tokenized_project, tmp_path / "straight"), compile=True)
     out = run([str(BIN / "lmops"), "train"], straight)
     assert "compiled the training step in" in out.stderr
     # Same math, other kernels: the compiled run's losses track the eager run's.
     for (step, a), (_, b) in zip(val_losses(eager).items(), val_losses(straight).items(), strict=True):
         assert b == pytest.approx(a, rel=0.02), step
 
-    killed = with_dropout_and_average(copy_project(tokenized_project, tmp_path / "killed"), compile=True)
+    killed = with_dropout(copy_project(tokenized_project, tmp_path / "killed"), compile=True)
     crash = run([str(BIN / "lmops"), "train"], killed, check=False, env={**env(), CRASH_AT: "train.step:15"})
     assert crash.returncode == -signal.SIGKILL
     assert (
@@ -74,7 +72,7 @@ def test_compiled_training_follows_eager_and_resumes_exactly(eager, tokenized_pr
 
 
 def test_training_without_a_compiler_falls_back_to_eager(tokenized_project, tmp_path):
-    project = with_dropout_and_average(copy_project(tokenized_project, tmp_path / "p"), compile=True)
+    project = with_dropout(copy_project(tokenized_project, tmp_path / "p"), compile=True)
     out = run([str(BIN / "lmops"), "train"], project, env={**env(), "CXX": "/nonexistent/g++"})
     assert "torch.compile unavailable, training eagerly" in out.stderr and "Traceback" not in out.stderr
     run_id = json.loads((project / "artifacts/model/lmops.json").read_text())["run_id"]

@@ -15,18 +15,17 @@ import yaml
 
 from lmops.crash_points import ENV as CRASH_AT
 from tests.conftest import BIN, env, run
-from tests.integration.training import copy_project, mlflow_run, val_losses, weights, with_dropout_and_average
+from tests.integration.training import copy_project, mlflow_run, val_losses, weights, with_dropout
 
 pytestmark = pytest.mark.slow
 
 
 def test_ddp_with_two_processes_on_cpu(tokenized_project, tmp_path):
     """With Muon: the DDP path is the optimizer's either way, and Muon's is the one with more
-    to share (both optimizers' steps on the all-reduced gradients); with a moving average of
-    the weights, which every rank keeps and validates."""
+    to share (both optimizers' steps on the all-reduced gradients)."""
     project = copy_project(tokenized_project, tmp_path / "ddp")
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"].update(optimizer="muon", ema_decay=0.9)
+    params["train"]["optimizer"] = "muon"
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     run(
         [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "lmops.pipeline.cli", "train"],
@@ -188,7 +187,7 @@ def test_a_longer_plateau_run_is_the_shorter_one_continued(tokenized_project, tm
 
 
 def _muon_wsd_project(tokenized_project, dst, max_steps):
-    project = with_dropout_and_average(copy_project(tokenized_project, dst), compile=False)
+    project = with_dropout(copy_project(tokenized_project, dst), compile=False)
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["train"].update(optimizer="muon", lr_schedule="wsd", cooldown_fraction=0.25, max_steps=max_steps)
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

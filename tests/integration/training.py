@@ -14,13 +14,10 @@ def copy_project(src, dst):
     return dst
 
 
-def with_dropout_and_average(project, compile: bool):
-    """With dropout and a moving average of the weights, so that the masks (drawn from the RNG a
-    checkpoint saves) and the average (which validation scores and the export keeps) are part
-    of what resumes."""
+def with_dropout(project, compile: bool):
+    """With dropout, so that the masks (drawn from the RNG a checkpoint saves) are part of what resumes."""
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["model"]["dropout"] = 0.1
-    params["train"]["ema_decay"] = 0.9
     params["train"]["compile"] = compile
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return project

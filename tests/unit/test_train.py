@@ -3,7 +3,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from lmops.errors import LmopsError
 from lmops.pipeline.checkpoint import fingerprint, load_checkpoint, save_checkpoint, weights_of
@@ -100,29 +99,27 @@ DEFAULT_RUN_TOKENS = 754 * 16 * 256
 
 
 @pytest.mark.parametrize(
-    ("train_tokens", "dropout", "schedule", "decay", "ema_decay"),
+    ("train_tokens", "dropout", "schedule", "decay"),
     [
-        (30 * DEFAULT_RUN_TOKENS, 0.0, "wsd", 0.1, 0.0),  # a 1 GB corpus: a thirtieth of a pass
-        (DEFAULT_RUN_TOKENS // 2, 0.0, "wsd", 0.1, 0.0),  # two passes, the last of the few
-        (DEFAULT_RUN_TOKENS // 3, 0.1, "wsd", 0.1, 0.0),  # three
-        (DEFAULT_RUN_TOKENS // 4, 0.1, "wsd", 0.1, 0.0),  # four, the last before many
-        (DEFAULT_RUN_TOKENS // 12, 0.2, "plateau", 1.0, 0.99),  # tiny Shakespeare's twelve
+        (30 * DEFAULT_RUN_TOKENS, 0.0, "wsd", 0.1),  # a 1 GB corpus: a thirtieth of a pass
+        (DEFAULT_RUN_TOKENS // 2, 0.0, "wsd", 0.1),  # two passes, the last of the few
+        (DEFAULT_RUN_TOKENS // 3, 0.1, "wsd", 0.1),  # three
+        (DEFAULT_RUN_TOKENS // 4, 0.1, "wsd", 0.1),  # four, the last before many
+        (DEFAULT_RUN_TOKENS // 12, 0.2, "plateau", 1.0),  # tiny Shakespeare's twelve
     ],
 )
 def test_auto_regularisation_and_schedule_follow_the_epochs_over_the_data(
-    train_tokens, dropout, schedule, decay, ema_decay
+    train_tokens, dropout, schedule, decay
 ):
     chosen, choices = follow_the_data(parse_params({}), train_tokens)
     assert (chosen.model.dropout, chosen.model.attention_dropout) == (dropout, 0.0)
     assert (chosen.train.lr_schedule, chosen.train.weight_decay) == (schedule, decay)
-    assert chosen.train.ema_decay == ema_decay
     assert choices == {
         "epochs": pytest.approx(DEFAULT_RUN_TOKENS / train_tokens, abs=1e-3),
         "auto.model.dropout": dropout,
         "auto.model.attention_dropout": 0.0,
         "auto.train.lr_schedule": schedule,
         "auto.train.weight_decay": decay,
-        "auto.train.ema_decay": ema_decay,
     }
     world_of_two, _ = follow_the_data(parse_params({}), 2 * train_tokens, world=2)  # epochs count every rank
     assert world_of_two == chosen
@@ -132,7 +129,7 @@ def test_values_given_are_kept_and_auto_choices_change_the_checkpoint_fingerprin
     given = parse_params(
         {
             "model": {"dropout": 0.05, "attention_dropout": 0.1},
-            "train": {"lr_schedule": "cosine", "weight_decay": 0.3, "ema_decay": 0.5},
+            "train": {"lr_schedule": "cosine", "weight_decay": 0.3},
         }
     )
     assert follow_the_data(given, 1000) == (given, {"epochs": pytest.approx(DEFAULT_RUN_TOKENS / 1000)})
@@ -333,41 +330,6 @@ def test_checkpoint_carries_the_best_weights(tmp_path):
     (tmp_path / "best/best.safetensors").write_bytes(b"x")
     with pytest.raises(LmopsError, match="best.safetensors is corrupt"):
         load_checkpoint(tmp_path / "best", model, opt)
-
-
-def test_the_moving_average_follows_each_step_and_a_checkpoint_restores_it(tmp_path):
-    model = Llama(CFG)
-    opt = make_optimizer(model, resolved(), CPU)
-    average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    seen = []
-    for step in range(3):
-        _step(model, opt, step)
-        average.update_parameters(model)
-        seen.append(weights_of(model))
-    # The first update copies; each later one moves a tenth of the way to the weights.
-    expected = {k: 0.9 * (0.9 * seen[0][k] + 0.1 * seen[1][k]) + 0.1 * seen[2][k] for k in seen[0]}
-    got = weights_of(average.module)
-    assert all(torch.allclose(got[k], expected[k], atol=1e-6) for k in expected)
-    assert not torch.equal(got["model.norm.weight"], seen[2]["model.norm.weight"])
-    save_checkpoint(tmp_path / "ckpt", model, opt, {"step": 3}, average=average)
-
-    fresh = Llama(CFG)
-    fresh_opt = make_optimizer(fresh, resolved(), CPU)
-    fresh_average = AveragedModel(fresh, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt, fresh_average)
-    assert fresh_average.n_averaged.item() == 3  # restored: the next update averages, not copies
-    for resumed_model, resumed_opt, resumed_average in (
-        (model, opt, average),
-        (fresh, fresh_opt, fresh_average),
-    ):
-        _step(resumed_model, resumed_opt, 3)
-        resumed_average.update_parameters(resumed_model)
-    a, b = weights_of(average.module), weights_of(fresh_average.module)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    # A checkpoint made without an average does not resume a run that keeps one.
-    save_checkpoint(tmp_path / "plain", model, opt, {"step": 4})
-    with pytest.raises(LmopsError, match="checkpoint .*plain is unreadable"):
-        load_checkpoint(tmp_path / "plain", fresh, fresh_opt, fresh_average)
 
 
 def test_peak_flops_measurement_leaves_the_training_rng_alone():

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch.optim.swa_utils import AveragedModel
 
 from lmops import atomic
 from lmops.errors import LmopsError
@@ -64,19 +63,14 @@ def save_checkpoint(
     opt: torch.optim.Optimizer,
     state: dict,
     best: dict[str, torch.Tensor] | None = None,
-    average: AveragedModel | None = None,
 ) -> None:
-    """Weights, optimizer, RNG, `state`, (keep_best) the best weights so far and (ema_decay)
-    the weights' moving average, atomically."""
+    """Weights, optimizer, RNG, `state` and (keep_best) the best weights so far, atomically."""
     with atomic.directory(ckpt_dir) as tmp:
         files = {"model.safetensors": weights_of(model)}
         if best is not None:
             files["best.safetensors"] = best
         opt_state = opt.state_dict()
         tensors = {"rng.torch": torch.get_rng_state()}
-        if average is not None:
-            files["average.safetensors"] = weights_of(average.module)
-            tensors["average.n_averaged"] = average.n_averaged.detach().cpu()
         if torch.cuda.is_available():
             tensors["rng.cuda"] = torch.cuda.get_rng_state()
         for idx, slots in opt_state["state"].items():
@@ -93,11 +87,8 @@ def save_checkpoint(
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
 
 
-def load_checkpoint(
-    ckpt_dir: Path, model: Llama, opt: torch.optim.Optimizer, average: AveragedModel | None = None
-) -> dict:
-    """Restore weights, optimizer, RNG and the moving average; a damaged checkpoint is an
-    error, never ignored.
+def load_checkpoint(ckpt_dir: Path, model: Llama, opt: torch.optim.Optimizer) -> dict:
+    """Restore weights, optimizer and RNG; a damaged checkpoint is an error, never ignored.
 
     Returns the saved state, with the best weights so far under "best" (None when absent).
     """
@@ -114,15 +105,11 @@ def load_checkpoint(
         best = (
             load_file(str(ckpt_dir / "best.safetensors")) if "best.safetensors" in state["sha256"] else None
         )
-        averaged = load_file(str(ckpt_dir / "average.safetensors")) if average is not None else None
     except LmopsError:
         raise
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
         raise LmopsError(f"checkpoint {ckpt_dir} is unreadable ({exc}); {hint}") from None
     load_weights(model, weights)
-    if average is not None:
-        load_weights(average.module, averaged)
-        average.n_averaged.copy_(tensors["average.n_averaged"])
     device = next(model.parameters()).device
     slots: dict[int, dict] = {}
     for key, value in tensors.items():

@@ -142,10 +142,6 @@ class TrainConfig(_Section):
     beta1: Fraction = 0.9
     beta2: Fraction = 0.95
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
-    # An exponential moving average of the weights, updated after every optimizer step: each
-    # step moves it (1 - ema_decay) of the way to the weights. Validation, keep_best and the
-    # export then see the average; 0 = off. auto: from the epochs, as lr_schedule.
-    ema_decay: Fraction | Literal["auto"] = AUTO
     eval_interval: PositiveInt = 50
     eval_batches: PositiveInt = 8
     # Export (and register) the weights with the lowest validation loss seen, not the last ones.

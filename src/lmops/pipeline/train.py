@@ -17,8 +17,7 @@ beside the last one, so a finished run is trained longer from there, into a new 
 The exported model is the best one seen, not the last (`train.keep_best`): the
 lowest validation loss at any evaluation, whose weights ride along in every
 checkpoint so resume picks the same step; `train.early_stopping_patience` ends
-the run once validation has stopped improving. With `train.ema_decay` those are the
-weights' moving average, which every checkpoint carries too.
+the run once validation has stopped improving.
 
 A tracking server that stays down past MLflow's retries stops the run cleanly: a
 checkpoint, then one line. `lmops train` again resumes into the same MLflow run, logs
@@ -44,7 +43,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm import tqdm
 
 from lmops import atomic, crash_points
@@ -128,13 +126,11 @@ def lr_at(step: int, cfg: TrainConfig, plateau_decays: int = 0) -> float:
 # warmup and cooldown). Past MANY_EPOCHS the model memorises
 # (validation turns up after ~5 epochs on tiny Shakespeare): dropout on the residual branches
 # (not on the attention weights, which costs 2.3x a CPU step), plateau, which cuts the rate
-# whenever validation stalls, a weight decay ten times the usual one (the data-constrained
-# regime's, as in Kim et al. 2025, "Pre-training under infinite compute"), and a moving average
-# of the weights, which plateau's rate never cools down as wsd's cooldown does. benchmarks/README.md,
+# whenever validation stalls, and a weight decay ten times the usual one (the data-constrained
+# regime's, as in Kim et al. 2025, "Pre-training under infinite compute"). benchmarks/README.md,
 # "The training recipe", has the measurements.
 FEW_EPOCHS, MANY_EPOCHS = 2.0, 4.0
 WEIGHT_DECAY, MANY_EPOCHS_WEIGHT_DECAY = 0.1, 1.0
-MANY_EPOCHS_EMA_DECAY = 0.99
 
 
 def follow_the_data(params: Params, train_tokens: int, world: int = 1) -> tuple[Params, dict]:
@@ -153,8 +149,6 @@ def follow_the_data(params: Params, train_tokens: int, world: int = 1) -> tuple[
         chosen["train"]["lr_schedule"] = "plateau" if epochs > MANY_EPOCHS else "wsd" if fits else "cosine"
     if cfg.weight_decay == AUTO:
         chosen["train"]["weight_decay"] = MANY_EPOCHS_WEIGHT_DECAY if epochs > MANY_EPOCHS else WEIGHT_DECAY
-    if cfg.ema_decay == AUTO:
-        chosen["train"]["ema_decay"] = MANY_EPOCHS_EMA_DECAY if epochs > MANY_EPOCHS else 0.0
     choices = {f"{section}.{key}": value for section, keys in chosen.items() for key, value in keys.items()}
     if not choices:
         return params, {"epochs": round(epochs, 3)}
@@ -362,18 +356,12 @@ class Run:
     manifest: dict
     progress: Progress
     compiled: bool = False  # `forward` runs through torch.compile (train.compile, and it worked)
-    average: AveragedModel | None = None  # the weights' moving average (train.ema_decay > 0)
     best: dict[str, torch.Tensor] | None = None  # CPU copy of the best weights (keep_best, main rank)
     data_choices: dict = field(default_factory=dict)  # the epochs and each `auto`'s choice (follow_the_data)
 
     @property
     def cfg(self) -> TrainConfig:
         return self.params.train
-
-    @property
-    def evaluated(self) -> Llama:
-        """The weights that validation scores and keep_best and the export keep."""
-        return self.model if self.average is None else self.average.module
 
 
 def train(
@@ -432,8 +420,6 @@ def _setup(params: Params, device: torch.device, ddp: Dist, data_dir: Path, ckpt
         progress=Progress(),
         data_choices=data_choices,
     )
-    if params.train.ema_decay:
-        run.average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(params.train.ema_decay))
     _resume(run)
     if ddp.world > 1:
         run.forward = torch.nn.parallel.DistributedDataParallel(model)
@@ -498,7 +484,7 @@ def _resume(run: Run) -> None:
                 run.cfg.max_steps,
             )
             continue
-        state = load_checkpoint(ckpt_dir, run.model, run.opt, run.average)
+        state = load_checkpoint(ckpt_dir, run.model, run.opt)
         progress = Progress(**{f.name: state[f.name] for f in fields(Progress) if f.name in state})
         if "tracked_rows" not in state:  # older checkpoints: every row was logged before it was saved
             progress.tracked_rows = len(progress.history)
@@ -658,8 +644,6 @@ def _train_step(run: Run, step: int, lr: float) -> float:
         torch.nn.utils.clip_grad_norm_(run.forward.parameters(), cfg.grad_clip)
     run.opt.step()
     run.opt.zero_grad(set_to_none=True)
-    if run.average is not None:
-        run.average.update_parameters(run.model)
     return loss_sum / cfg.grad_accum_steps
 
 
@@ -667,7 +651,7 @@ def _evaluate(run: Run, row: dict) -> None:
     """Validation loss into `row`; track the best weights, cut the plateau learning rate,
     and decide on early stopping."""
     cfg, progress = run.cfg, run.progress
-    val_loss = estimate_val_loss(run.evaluated, run.val_tokens, cfg, run.params.model.max_seq_len, run.device)
+    val_loss = estimate_val_loss(run.model, run.val_tokens, cfg, run.params.model.max_seq_len, run.device)
     if run.ddp.world > 1:  # every rank must take the same early-stopping decision
         t = torch.tensor(val_loss, dtype=torch.float64, device=run.device)
         dist.all_reduce(t)
@@ -676,7 +660,7 @@ def _evaluate(run: Run, row: dict) -> None:
     log.info("step %d: train %.4f val %.4f", row["step"], row["train_loss"], val_loss)
     improved = progress.record_eval(row["step"], val_loss)
     if improved and cfg.keep_best and run.ddp.main:
-        run.best = weights_of(run.evaluated)
+        run.best = weights_of(run.model)
     if cfg.lr_schedule == "plateau" and progress.record_plateau(improved, cfg):
         log.info(
             "plateau: validation loss did not improve for %d evaluations; learning rate now %.3g",
@@ -694,17 +678,14 @@ def _evaluate(run: Run, row: dict) -> None:
 
 def _checkpoint(run: Run, ckpt_dir: Path | None = None) -> None:
     state = {**asdict(run.progress), "fingerprint": run.fingerprint, "max_steps": run.cfg.max_steps}
-    save_checkpoint(ckpt_dir or run.ckpt_dir, run.model, run.opt, state, run.best, run.average)
+    save_checkpoint(ckpt_dir or run.ckpt_dir, run.model, run.opt, state, run.best)
     write_log(run.progress.history)
 
 
 def _finish(run: Run, out_dir: Path) -> ModelMeta:
-    """Export the model (the best weights under keep_best, else the average's or the last),
-    log it, close the MLflow run."""
+    """Export the model (the best weights under keep_best), log it, close the MLflow run."""
     progress = run.progress
     exported = progress.history[-1] if progress.history else {}
-    if run.average is not None:
-        load_weights(run.model, weights_of(run.average.module))
     if run.cfg.keep_best and run.best is not None:
         load_weights(run.model, run.best)
         exported = next(r for r in progress.history if r["step"] == progress.best_step)
