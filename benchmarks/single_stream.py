@@ -22,7 +22,10 @@ draft kept, so it measures what drafting costs) or `tiny` (a random tiny model w
 tokenizer: nearly every draft rejected). `--scheduler-steps S` adds the engine as it is with
 multi-step decoding (`num_scheduler_steps=S`: S greedy steps a graph call). `--ctranslate2` adds CTranslate2's Generator
 on the same model (fp32, converted by its own Transformers converter; greedy through
-`generate_tokens`). Every worker's greedy tokens must be the baseline's. Writes benchmarks/results/single-stream-cpu.json.
+`generate_tokens`). Every worker's greedy tokens must be the baseline's. `--sampling
+temperature=0.8 top_p=0.95 ...` makes every lmops request a sampled one with those
+SamplingParams fields (the same count of tokens, each engine's own draws, not compared).
+Writes benchmarks/results/single-stream-cpu.json.
 """
 
 from __future__ import annotations
@@ -50,9 +53,11 @@ PROMPT_LEN = 128
 ENGINES = ("baseline", "now", "multi-step", "speculative", "ctranslate2")
 
 
-def worker(model_dir: Path, threads: int, speculative: int, draft_dir: Path | None, steps: int) -> None:
+def worker(
+    model_dir: Path, threads: int, speculative: int, draft_dir: Path | None, steps: int, sampling: dict
+) -> None:
     """Serve requests from stdin (one JSON line: prompt ids and new tokens), answer one JSON
-    line each."""
+    line each; greedy, or `sampling`'s SamplingParams fields."""
     import torch
 
     torch.set_num_threads(threads)
@@ -69,7 +74,8 @@ def worker(model_dir: Path, threads: int, speculative: int, draft_dir: Path | No
         ask = json.loads(line)
         prompt, new = ask["prompt"], ask["new"]
         engine.reset_metrics()
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+        params = SamplingParams(**{"temperature": 0, **sampling}, max_tokens=new, ignore_eos=True)
+        engine.add_request(str(i), prompt, params)
         (out,) = engine.step()  # the prefill and the first token
         cpu = time.process_time()
         while not out.finished:
@@ -122,12 +128,14 @@ class Worker:
         draft_dir: Path | None,
         ct2_dir: Path | None = None,
         steps: int = 1,
+        sampling: dict | None = None,
     ):
         """An lmops worker with `src` on its path; with `ct2_dir` (`convert_to_ctranslate2`), a
         CTranslate2 one."""
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, __file__, "--worker", str(model_dir), "--threads", str(threads)]
         cmd += ["--speculative", str(speculative), "--scheduler-steps", str(steps)]
+        cmd += ["--sampling-json", json.dumps(sampling or {})]
         if speculative and draft_dir is not None:
             cmd += ["--draft-dir", str(draft_dir)]
         if ct2_dir is not None:
@@ -225,18 +233,40 @@ def main(argv: list[str] | None = None) -> dict | None:
         action="store_true",
         help="also CTranslate2 fp32 on the same model (benchmarks/requirements.txt)",
     )
+    ap.add_argument(
+        "--sampling",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="SamplingParams fields of every lmops request (temperature=0.8 top_p=0.95): "
+        "sampled instead of greedy",
+    )
     ap.add_argument("--quick", action="store_true", help="2 rounds, 1 thread")
     ap.add_argument("--out", type=Path, default=RESULTS / "single-stream-cpu.json")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--draft-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--ctranslate2-dir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--sampling-json", type=json.loads, default={}, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker and args.ctranslate2_dir:
         return ctranslate2_worker(args.ctranslate2_dir, args.worker, args.threads[0])
     if args.worker:
-        return worker(args.worker, args.threads[0], args.speculative, args.draft_dir, args.scheduler_steps)
+        return worker(
+            args.worker,
+            args.threads[0],
+            args.speculative,
+            args.draft_dir,
+            args.scheduler_steps,
+            args.sampling_json,
+        )
     if args.draft_model and not args.speculative:
         ap.error("--draft-model drafts --speculative K tokens a step: give K")
+    try:
+        sampling = {k: json.loads(v) for k, v in (field.split("=", 1) for field in args.sampling)}
+    except ValueError:
+        ap.error(f"--sampling takes FIELD=VALUE pairs with JSON values (top_p=0.95), not {args.sampling}")
+    if sampling and (args.ctranslate2 or args.scheduler_steps > 1):
+        ap.error("--sampling: CTranslate2's worker and multi-step decoding are greedy only")
     if args.quick:
         args.rounds, args.threads = 2, [1]
     new = 128
@@ -247,6 +277,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "new_tokens": new,
         "draft_model": args.draft_model,
         "scheduler_steps": args.scheduler_steps,
+        "sampling": sampling or "greedy",
         "cpu": cpu_description(),
         "model": str(args.model) if args.model else "random, default size",
         "prompts_from": str(args.prompts_from) if args.prompts_from else None,
@@ -279,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         res["by_threads"] = {}
         for threads in args.threads:
             workers = {
-                name: Worker(src, model_dir, threads, k, draft_dir, ct2, steps)
+                name: Worker(src, model_dir, threads, k, draft_dir, ct2, steps, sampling)
                 for name, (src, k, ct2, steps) in sources.items()
             }
             runs: dict[str, list[dict]] = {name: [] for name in workers}
@@ -289,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                         runs[name].append(w.run(prompt, new) | {"prompt": k})
             for w in workers.values():
                 w.close()
-            for k in range(len(prompts)):
+            for k in range(len(prompts) if not sampling else 0):
                 tokens = [x["tokens"] for r in runs.values() for x in r if x["prompt"] == k]
                 assert all(t == tokens[0] for t in tokens), f"the engines' greedy tokens differ on prompt {k}"
             for r in runs.values():

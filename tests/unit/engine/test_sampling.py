@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from lmops.runtime.engine import SamplingParams
-from lmops.runtime.engine.sampling import OPTIONAL, RANGES, apply_penalties, sample
+from lmops.runtime.engine.sampling import (
+    OPTIONAL,
+    RANGES,
+    TOP_CANDIDATES,
+    apply_filters,
+    apply_penalties,
+    sample,
+)
 
 
 @pytest.mark.parametrize(
@@ -119,6 +126,45 @@ def test_filters_restrict_the_support(kw, allowed):
     rows = [row(SamplingParams(temperature=1.0, **kw), g)] * 3000
     ids = set(sample(LOGITS[None].expand(3000, -1), rows).token_ids)
     assert ids == allowed
+
+
+def filters_by_full_sort(logits, params):
+    """top_k and top_p by their definition: every token ranked, ascending, the tail whose
+    cumulative probability is at most 1 - top_p dropped."""
+    V = logits.shape[1]
+    srt, order = logits.sort(-1)
+    k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params])
+    srt = srt.masked_fill(srt < srt.gather(1, (V - k)[:, None]), -math.inf)
+    drop = srt.softmax(-1).cumsum(-1) <= 1 - torch.tensor([p.top_p for p in params])[:, None]
+    drop[:, -1] = False
+    return torch.empty_like(logits).scatter_(-1, order, srt.masked_fill(drop, -math.inf))
+
+
+def test_filters_rank_a_candidate_set_and_keep_what_a_full_sort_keeps():
+    """Peaked rows, whose kept tokens are among the TOP_CANDIDATES most likely, and flat ones,
+    whose top_p needs the whole vocabulary; top_k below and above the candidate set."""
+    g = gen(3)
+    peaked, flat = torch.randn(5, 4096, generator=g) * 6, torch.randn(5, 4096, generator=g) * 0.3
+    kinds = [
+        {"top_p": 0.9},
+        {"top_p": 0.999},
+        {"top_k": 5},
+        {"top_k": TOP_CANDIDATES + 300, "top_p": 0.95},
+        {"top_k": 50, "top_p": 0.5},
+    ]
+    params = [SamplingParams(temperature=1.0, **kw) for kw in kinds] * 2
+    logits = torch.cat([peaked, flat])
+    got, expected = apply_filters(logits, params), filters_by_full_sort(logits, params)
+    kept = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(got), kept)
+    assert torch.equal(got[kept], expected[kept])
+    sizes = kept.sum(-1).tolist()
+    assert sizes[2] == sizes[7] == 5 and sizes[3] <= TOP_CANDIDATES < sizes[8]  # both paths taken
+    top_k_only = [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, top_k=700)] * 5
+    assert torch.equal(apply_filters(logits, top_k_only), filters_by_full_sort(logits, top_k_only))
+    # A row without filters beside filtered ones keeps every token.
+    mixed = apply_filters(logits[:2], [SamplingParams(temperature=1.0), params[0]])
+    assert torch.equal(mixed[0], logits[0]) and torch.isinf(mixed[1]).any()
 
 
 def test_penalties_match_their_definition():
