@@ -142,29 +142,29 @@ def filters_by_full_sort(logits, params):
 
 def test_filters_rank_a_candidate_set_and_keep_what_a_full_sort_keeps():
     """Peaked rows, whose kept tokens are among the TOP_CANDIDATES most likely, and flat ones,
-    whose top_p needs the whole vocabulary; top_k below and above the candidate set."""
+    whose top_p needs the whole vocabulary; top_k below and above the candidate set; a row
+    without filters in the same batch."""
     g = gen(3)
-    peaked, flat = torch.randn(5, 4096, generator=g) * 6, torch.randn(5, 4096, generator=g) * 0.3
+    peaked, flat = torch.randn(6, 4096, generator=g) * 6, torch.randn(6, 4096, generator=g) * 0.3
     kinds = [
         {"top_p": 0.9},
         {"top_p": 0.999},
         {"top_k": 5},
         {"top_k": TOP_CANDIDATES + 300, "top_p": 0.95},
         {"top_k": 50, "top_p": 0.5},
+        {},
     ]
     params = [SamplingParams(temperature=1.0, **kw) for kw in kinds] * 2
     logits = torch.cat([peaked, flat])
-    got, expected = apply_filters(logits, params), filters_by_full_sort(logits, params)
-    kept = torch.isfinite(expected)
-    assert torch.equal(torch.isfinite(got), kept)
-    assert torch.equal(got[kept], expected[kept])
-    sizes = kept.sum(-1).tolist()
-    assert sizes[2] == sizes[7] == 5 and sizes[3] <= TOP_CANDIDATES < sizes[8]  # both paths taken
-    top_k_only = [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, top_k=700)] * 5
-    assert torch.equal(apply_filters(logits, top_k_only), filters_by_full_sort(logits, top_k_only))
-    # A row without filters beside filtered ones keeps every token.
-    mixed = apply_filters(logits[:2], [SamplingParams(temperature=1.0), params[0]])
-    assert torch.equal(mixed[0], logits[0]) and torch.isinf(mixed[1]).any()
+    expected = filters_by_full_sort(logits, params)
+    assert torch.equal(apply_filters(logits, params), expected)
+    sizes = torch.isfinite(expected).sum(-1).tolist()
+    assert sizes[2] == sizes[8] == 5 and sizes[5] == sizes[11] == 4096
+    assert sizes[3] <= TOP_CANDIDATES < sizes[6]  # both paths taken
+    for kinds in ([{"top_k": 5}, {"top_k": 700}, {}], [{"top_p": 0.9}, {}]):
+        batch = [SamplingParams(temperature=1.0, **kw) for kw in kinds] * 4
+        rows = logits[: len(batch)]
+        assert torch.equal(apply_filters(rows, batch), filters_by_full_sort(rows, batch))
 
 
 def test_penalties_match_their_definition():

@@ -277,9 +277,9 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         return logits
     # The tokens kept are the most likely few: rank those (top_k's k, or for top_p a candidate
     # set, widened to the whole vocabulary where it lacks a row's top_p mass), not all of them:
-    # a full sort was most of a sampled step.
+    # a full sort was most of a sampled step. Each filter is then a threshold on the logits.
     m = min(V, max([TOP_CANDIDATES if use_p else 1, *(k for k in ks if k < V)]))
-    top, order = logits.topk(m, -1)  # descending
+    top = logits.topk(m, -1).values  # descending
     if use_k:
         k = torch.tensor(ks, device=dev)[:, None]
         kth = torch.where(k < V, top.gather(1, k.clamp(max=m) - 1), -math.inf)
@@ -288,13 +288,15 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     if use_p:
         top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
         probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
-        if m < V and bool((probs.sum(-1, keepdim=True) < top_p).any()):
-            top, order = logits.topk(V, -1)
+        if m < V and bool(((probs.sum(-1, keepdim=True) < top_p) & (top_p < 1)).any()):
+            top = logits.topk(V, -1).values
             probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
         # A token stays while the tokens ranked above it hold less than top_p (so the most
-        # likely one always does).
-        top = top.masked_fill(probs.cumsum(-1) - probs >= top_p, -math.inf)
-    return torch.full_like(logits, -math.inf).scatter_(-1, order, top)
+        # likely one always does): the cut is at the last such token's logit.
+        kept = (probs.cumsum(-1) - probs < top_p).sum(-1, keepdim=True)
+        cut = torch.where(top_p < 1, top.gather(1, kept - 1), -math.inf)
+        logits = logits.masked_fill(logits < cut, -math.inf)
+    return logits
 
 
 @dataclass
