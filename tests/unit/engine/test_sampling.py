@@ -11,6 +11,7 @@ import torch
 
 from lmops.runtime.engine import SamplingParams
 from lmops.runtime.engine.sampling import (
+    GREEDY_BELOW,
     OPTIONAL,
     RANGES,
     TOP_CANDIDATES,
@@ -165,6 +166,18 @@ def test_filters_rank_a_candidate_set_and_keep_what_a_full_sort_keeps():
         batch = [SamplingParams(temperature=1.0, **kw) for kw in kinds] * 4
         rows = logits[: len(batch)]
         assert torch.equal(apply_filters(rows, batch), filters_by_full_sort(rows, batch))
+
+
+def test_a_vanishing_temperature_is_greedy_and_a_nan_row_still_keeps_a_token():
+    """A temperature that is positive but tiny (2e-311, sent by a fuzzer) would overflow the
+    logits; it is greedy, as in vLLM. And filters on a row of NaN logits keep one token
+    rather than index out of the row (which stopped the engine loop)."""
+    tiny = SamplingParams(temperature=2.2e-311, top_k=132, top_p=0.9)
+    assert tiny.greedy and not SamplingParams(temperature=GREEDY_BELOW).greedy
+    logits = torch.randn(2, 300, generator=gen(5))
+    assert sample(logits, [row(tiny, gen(1))] * 2).token_ids == logits.argmax(-1).tolist()
+    nan = torch.full((1, 300), math.nan)
+    assert torch.isnan(apply_filters(nan, [SamplingParams(top_k=132, top_p=0.9)])).all()
 
 
 def test_penalties_match_their_definition():

@@ -26,6 +26,9 @@ from lmops.runtime.generation_config import GENERATION_FILE, default_sampling_fi
 MAX_LOGPROBS = 20
 TOP_CANDIDATES = 512  # top_k / top_p rank this many of the most likely tokens first
 MAX_TEMPERATURE = 2.0  # OpenAI's cap; higher is noise
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing the logits by it
+# would overflow them to infinities, whose probabilities are NaN.
+GREEDY_BELOW = 1e-5
 SEED_BOUND = 2**63  # seeds are 64-bit signed integers, as in vLLM
 
 
@@ -190,7 +193,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def plain_greedy(self) -> bool:
@@ -292,8 +295,9 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
             top = logits.topk(V, -1).values
             probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
         # A token stays while the tokens ranked above it hold less than top_p (so the most
-        # likely one always does): the cut is at the last such token's logit.
-        kept = (probs.cumsum(-1) - probs < top_p).sum(-1, keepdim=True)
+        # likely one always does): the cut is at the last such token's logit (its ties stay
+        # too, whatever order a sort would have put them in).
+        kept = (probs.cumsum(-1) - probs < top_p).sum(-1, keepdim=True).clamp_(min=1)  # NaN rows too
         cut = torch.where(top_p < 1, top.gather(1, kept - 1), -math.inf)
         logits = logits.masked_fill(logits < cut, -math.inf)
     return logits
@@ -401,7 +405,7 @@ def _adjust(
 def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The sampling distributions of adjusted logits: temperature (1 for greedy rows), then
     min_p / top_k / top_p."""
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
     return apply_filters(logits / temps[:, None], params).softmax(-1)
 
 
