@@ -162,7 +162,8 @@ def test_filters_rank_a_candidate_set_and_keep_what_a_full_sort_keeps():
     sizes = torch.isfinite(expected).sum(-1).tolist()
     assert sizes[2] == sizes[8] == 5 and sizes[5] == sizes[11] == 4096
     assert sizes[3] <= TOP_CANDIDATES < sizes[6]  # both paths taken
-    for kinds in ([{"top_k": 5}, {"top_k": 700}, {}], [{"top_p": 0.9}, {}]):
+    defaults = [{"top_k": 50, "top_p": 0.95}] * 3  # the generation config's: only 50 ranked
+    for kinds in ([{"top_k": 5}, {"top_k": 700}, {}], [{"top_p": 0.9}, {}], defaults):
         batch = [SamplingParams(temperature=1.0, **kw) for kw in kinds] * 4
         rows = logits[: len(batch)]
         assert torch.equal(apply_filters(rows, batch), filters_by_full_sort(rows, batch))

@@ -281,7 +281,9 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     # The tokens kept are the most likely few: rank those (top_k's k, or for top_p a candidate
     # set, widened to the whole vocabulary where it lacks a row's top_p mass), not all of them:
     # a full sort was most of a sampled step. Each filter is then a threshold on the logits.
-    m = min(V, max([TOP_CANDIDATES if use_p else 1, *(k for k in ks if k < V)]))
+    m = min(
+        V, max(k if k < V else TOP_CANDIDATES if p.top_p < 1 else 1 for k, p in zip(ks, params, strict=True))
+    )
     top = logits.topk(m, -1).values  # descending
     if use_k:
         k = torch.tensor(ks, device=dev)[:, None]
