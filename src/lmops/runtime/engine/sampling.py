@@ -292,10 +292,11 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         logits = logits.masked_fill(logits < kth, -math.inf)
     if use_p:
         top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
-        probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
+        lse = logits.logsumexp(-1, keepdim=True)
+        probs = (top - lse).exp()
         if m < V and bool(((probs.sum(-1, keepdim=True) < top_p) & (top_p < 1)).any()):
             top = logits.topk(V, -1).values
-            probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
+            probs = (top - lse).exp()
         # A token stays while the tokens ranked above it hold less than top_p (so the most
         # likely one always does): the cut is at the last such token's logit (its ties stay
         # too, whatever order a sort would have put them in).
