@@ -141,7 +141,8 @@ def convert_to_ctranslate2(model_dir: Path, out: Path) -> Path:
 
 
 class CT2:
-    """CTranslate2's Generator on the CPU, greedy, exactly `new` tokens (EOS ignored)."""
+    """CTranslate2's Generator on the CPU, exactly `new` tokens (EOS ignored): greedy, or
+    `stream`'s sampling."""
 
     def __init__(self, ct2_dir: Path, model_dir: Path, compute_type: str, threads: int):
         import ctranslate2
@@ -153,12 +154,25 @@ class CT2:
             str(ct2_dir), device="cpu", compute_type=compute_type, intra_threads=threads
         )
 
-    def stream(self, prompt: list[int], new: int) -> Iterator[int]:
-        """One request through `generate_tokens`: its tokens, as they come."""
+    def stream(self, prompt: list[int], new: int, sampling: dict | None = None) -> Iterator[int]:
+        """One request through `generate_tokens`: its tokens, as they come. Greedy, or
+        sampled with `sampling`'s temperature, top_k and top_p (SamplingParams' names and
+        meanings: top_k 0 is no limit, as CTranslate2's sampling_topk 0)."""
         prompt_tokens = [self.tokenizer.id_to_token(i) for i in prompt]
-        for step in self.generator.generate_tokens(
-            prompt_tokens, max_length=new, sampling_topk=1, end_token=[]
-        ):
+        knobs = {"sampling_topk": 1}
+        if sampling:
+            if unknown := set(sampling) - {"temperature", "top_k", "top_p", "seed"}:
+                raise SystemExit(f"CTranslate2's worker: no SamplingParams field {sorted(unknown)} there")
+            if "seed" in sampling:
+                import ctranslate2
+
+                ctranslate2.set_random_seed(sampling["seed"])
+            knobs = {
+                "sampling_temperature": sampling.get("temperature", 1.0),
+                "sampling_topk": max(sampling.get("top_k", 0), 0),
+                "sampling_topp": sampling.get("top_p", 1.0),
+            }
+        for step in self.generator.generate_tokens(prompt_tokens, max_length=new, end_token=[], **knobs):
             yield step.token_id
 
     def generate(self, batch: list[list[int]], new: int) -> tuple[float, list[list[int]]]:

@@ -20,11 +20,12 @@ acceptance rate: accepted / drafted tokens); with `--draft-model` its drafts com
 model instead of prompt lookup: `target` (the benchmark's model as its own draft: every
 draft kept, so it measures what drafting costs) or `tiny` (a random tiny model with the same
 tokenizer: nearly every draft rejected). `--scheduler-steps S` adds the engine as it is with
-multi-step decoding (`num_scheduler_steps=S`: S greedy steps a graph call). `--ctranslate2` adds CTranslate2's Generator
-on the same model (fp32, converted by its own Transformers converter; greedy through
+multi-step decoding (`num_scheduler_steps=S`: S steps a graph call). `--ctranslate2` adds CTranslate2's Generator
+on the same model (fp32, converted by its own Transformers converter; through
 `generate_tokens`). Every worker's greedy tokens must be the baseline's. `--sampling
-temperature=0.8 top_p=0.95 ...` makes every lmops request a sampled one with those
-SamplingParams fields (the same count of tokens, each engine's own draws, not compared).
+temperature=0.8 top_p=0.95 ...` makes every request a sampled one with those
+SamplingParams fields (CTranslate2's: temperature, top_k and top_p; the same count of
+tokens, each engine's own draws, not compared).
 Writes benchmarks/results/single-stream-cpu.json.
 """
 
@@ -94,9 +95,10 @@ def worker(
         print(json.dumps({**result, "tokens": out.token_ids}), flush=True)
 
 
-def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int) -> None:
-    """`worker` for CTranslate2's Generator (engine.py's CT2: fp32, greedy, EOS ignored): the
-    same protocol, the same figures, timed at the tokens its `generate_tokens` streams."""
+def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int, sampling: dict) -> None:
+    """`worker` for CTranslate2's Generator (engine.py's CT2: fp32, EOS ignored; greedy, or
+    `sampling`'s temperature, top_k and top_p): the same protocol, the same figures, timed at
+    the tokens its `generate_tokens` streams."""
     from engine import CT2
 
     ct2 = CT2(ct2_dir, model_dir, "float32", threads)
@@ -105,7 +107,7 @@ def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int) -> None:
         ask = json.loads(line)
         new = ask["new"]
         start, times, tokens = time.perf_counter(), [], []
-        for token in ct2.stream(ask["prompt"], new):
+        for token in ct2.stream(ask["prompt"], new, sampling):
             times.append(time.perf_counter())
             tokens.append(token)
             if len(times) == 1:
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--sampling-json", type=json.loads, default={}, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker and args.ctranslate2_dir:
-        return ctranslate2_worker(args.ctranslate2_dir, args.worker, args.threads[0])
+        return ctranslate2_worker(args.ctranslate2_dir, args.worker, args.threads[0], args.sampling_json)
     if args.worker:
         return worker(
             args.worker,
@@ -265,8 +267,6 @@ def main(argv: list[str] | None = None) -> dict | None:
         sampling = {k: json.loads(v) for k, v in (field.split("=", 1) for field in args.sampling)}
     except ValueError:
         ap.error(f"--sampling takes FIELD=VALUE pairs with JSON values (top_p=0.95), not {args.sampling}")
-    if sampling and (args.ctranslate2 or args.scheduler_steps > 1):
-        ap.error("--sampling: CTranslate2's worker and multi-step decoding are greedy only")
     if args.quick:
         args.rounds, args.threads = 2, [1]
     new = 128

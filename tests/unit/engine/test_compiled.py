@@ -16,7 +16,8 @@ from lmops.runtime.engine.config import EngineConfig
 from lmops.runtime.engine.forward import SMALL_PRODUCT_ROWS, linear, norm_linear
 from lmops.runtime.model import rms_norm
 
-GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+GREEDY_FIELDS = {"temperature": 0, "max_tokens": 20, "ignore_eos": True}
+GREEDY = SamplingParams(**GREEDY_FIELDS)
 
 
 def test_lmops_compile_env_sets_the_default(monkeypatch):
@@ -303,19 +304,52 @@ def test_multi_step_stops_where_one_step_greedy_stops(
     all_blocks_free(multi_step_engine)
 
 
-def test_multi_step_only_for_a_lone_plain_greedy_request(multi_step_engine, eager_engine, prompts):
-    """Two requests at once, a sampled request, and one asking for log-probs decode one step
-    at a time (a newcomer would wait for a whole run; the sampler runs between steps), to the
-    same tokens as without multi-step."""
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.8, "top_k": 50, "top_p": 0.95},  # the generation config's
+        {"temperature": 1.0, "top_p": 0.9},
+        {"temperature": 1.3, "min_p": 0.02},
+    ],
+)
+def test_multi_step_draws_a_sampled_requests_tokens_in_the_graph(
+    multi_step_engine, eager_engine, prompts, monkeypatch, sampling, all_blocks_free
+):
+    """A lone plain sampled request runs multi-step too, its draws made in the graph from
+    noise its generator drew for the run: a seeded request gets the tokens the eager
+    sampler draws one step at a time, and the sampler runs only for the prefill and for
+    the last 3 tokens, too few for a whole run."""
+    engine = multi_step_engine
+    served = served_by_graphs(engine)
+    calls = []
+    real = engine_module.sample
+    monkeypatch.setattr(
+        engine_module, "sample", lambda logits, *a: calls.append(len(logits)) or real(logits, *a)
+    )
+    params = SamplingParams(**sampling, seed=3, max_tokens=20, ignore_eos=True)
+    want = eager_engine.generate([prompts[6]], params)[0].token_ids
+    calls.clear()
+    assert engine.generate([prompts[6]], params)[0].token_ids == want
+    assert len(set(want)) > 5  # drawn: not one token repeated
+    assert [n for _, n in served] == [4, 4, 4, 4, 1, 1, 1] and calls == [1, 1, 1, 1]
+    all_blocks_free(engine)
+
+
+def test_multi_step_only_for_a_lone_plain_request(multi_step_engine, eager_engine, prompts):
+    """Two requests at once, and requests whose draw needs the eager sampler (log-probs,
+    penalties, a logit bias, min_tokens) decode one step at a time (a newcomer would wait
+    for a whole run; the sampler runs between steps), to the same tokens as without
+    multi-step."""
     engine = multi_step_engine
     served = served_by_graphs(engine)
     two = [o.token_ids for o in engine.generate(prompts[3:5], GREEDY)]
     assert two == [o.token_ids for o in eager_engine.generate(prompts[3:5], GREEDY)]
-    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
-    with_logprobs = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
-    for params in (seeded, with_logprobs):
-        got = engine.generate([prompts[6]], params)[0]
-        assert got.token_ids == eager_engine.generate([prompts[6]], params)[0].token_ids
+    seeded = {"temperature": 0.8, "seed": 3, "max_tokens": 20, "ignore_eos": True}
+    for extra in ({"logprobs": 1}, {"presence_penalty": 0.5}, {"logit_bias": {7: 3.0}}, {"min_tokens": 5}):
+        for params in (SamplingParams(**GREEDY_FIELDS, **extra), SamplingParams(**seeded, **extra)):
+            assert not params.plain
+            got = engine.generate([prompts[6]], params)[0]
+            assert got.token_ids == eager_engine.generate([prompts[6]], params)[0].token_ids
     assert served and all(n == 1 for _, n in served)
 
 

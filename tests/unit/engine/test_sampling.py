@@ -17,6 +17,8 @@ from lmops.runtime.engine.sampling import (
     TOP_CANDIDATES,
     apply_filters,
     apply_penalties,
+    plain_draw,
+    plain_draw_inputs,
     sample,
 )
 
@@ -167,6 +169,37 @@ def test_filters_rank_a_candidate_set_and_keep_what_a_full_sort_keeps():
         batch = [SamplingParams(temperature=1.0, **kw) for kw in kinds] * 4
         rows = logits[: len(batch)]
         assert torch.equal(apply_filters(rows, batch), filters_by_full_sort(rows, batch))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"top_p": 0.9},
+        {"top_k": 5},
+        {"top_k": 50, "top_p": 0.95},
+        {"top_k": TOP_CANDIDATES + 300, "top_p": 0.95},
+        {"min_p": 0.05},
+        {"temperature": 1.7, "top_p": 0.999},
+    ],
+)
+def test_the_graphs_draw_is_the_samplers_from_the_same_generator(kw):
+    """Multi-step decoding draws in the compiled graph (`plain_draw`: the filters over the
+    whole vocabulary, no data-dependent branch) from noise its request's generator drew
+    for all the steps at once; the sampler draws a step at a time. The same tokens, on
+    peaked rows and on flat ones (whose top_p needs more than the sampler's candidate set),
+    and they are draws: they vary."""
+    params = SamplingParams(**{"temperature": 0.8, **kw})
+    g, steps = gen(4), 6
+    rows = torch.cat([torch.randn(3, 4096, generator=g) * 6, torch.randn(3, 4096, generator=g) * 0.3])
+    drawn = set()
+    for logits in rows[:, None]:
+        knobs, top_k, noise = plain_draw_inputs(params, gen(9), steps, 4096, "cpu")
+        in_graph = [int(plain_draw(logits, knobs, top_k, noise[j : j + 1])) for j in range(steps)]
+        sampler = gen(9)
+        assert in_graph == [sample(logits, [row(params, sampler)]).token_ids[0] for _ in range(steps)]
+        drawn.update(in_graph)
+    assert len(drawn) > 12
 
 
 def test_a_vanishing_temperature_is_greedy_and_a_nan_row_still_keeps_a_token():

@@ -4,8 +4,11 @@ a few hundred eagerly dispatched small ops (at batch 1 a decode step is mostly t
 overhead; see benchmarks/README.md). With speculative decoding, a step whose decodes
 carry drafts runs through graphs of 1 + K tokens a sequence the same way (each token sees
 its sequence's cache and, causally, the step's earlier tokens). With multi-step decoding
-(`num_scheduler_steps` S), a lone greedy decode runs S steps in one graph, each step's
-argmax the next one's input: one call, and one pass of the Python around it, for S tokens.
+(`num_scheduler_steps` S), a lone plain decode (greedy, or sampled with temperature and the
+filters alone) runs S steps in one graph, each step's token the next one's input (its
+argmax, or its draw: the sampler's filters and race, in the graph, from noise drawn before
+the call by the request's generator): one call, and one pass of the Python around it, for S
+tokens.
 Any other step (prefills, mixed batches, more sequences than the largest size) takes the
 runner's eager path.
 
@@ -38,6 +41,7 @@ import lmops
 from lmops import atomic
 from lmops.runtime.engine.forward import FusedForward
 from lmops.runtime.engine.kv_cache import KVPool
+from lmops.runtime.engine.sampling import SamplingParams, plain_draw, plain_draw_inputs
 from lmops.runtime.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -121,7 +125,8 @@ class CompiledDecode:
     `num_speculative_tokens` K, also the steps that verify drafts (every sequence a decode
     with up to K draft tokens), through graphs of 1 + K tokens a sequence for the sizes of
     at most 16 tokens in all, so that single-stream speculative decoding runs compiled too;
-    with `scheduler_steps` S > 1, also S greedy steps of one sequence in one graph."""
+    with `scheduler_steps` S > 1, also S steps of one sequence in one graph, greedy or
+    sampled (a graph each)."""
 
     def __init__(
         self,
@@ -147,6 +152,7 @@ class CompiledDecode:
         )
         model = forward.model
         self.device = model.lm_head.weight.device
+        self.vocab = model.lm_head.weight.shape[0]
         # One graph per size, compiled ahead of time (`aot_compile`): a step calls its size's
         # graph directly, with none of dynamo's per-call guard checks or cache lookup (they cost
         # as much as the Python around the graph: benchmarks/README.md). Nothing is
@@ -171,7 +177,9 @@ class CompiledDecode:
             "compiling decode for (batch size, tokens) %s%s (on 2 CPU cores: 40-70 s the first time, "
             "2-3 s from %s after that; LMOPS_COMPILE=0 skips it)",
             shapes,
-            f" and {scheduler_steps} steps of one sequence" if scheduler_steps > 1 else "",
+            f" and {scheduler_steps} steps of one sequence, greedy and sampled"
+            if scheduler_steps > 1
+            else "",
             self.cache_dir,
         )
         t = time.perf_counter()
@@ -179,17 +187,25 @@ class CompiledDecode:
             (b, n): self._load_or_compile(one_step, b, n, f"{key}-b{b}" + f"t{n}" * (n > 1))
             for b, n in shapes
         }
-        steps = scheduler_steps
-        multi = self._load_or_compile(multi_step, 1, steps, f"{key}-b1s{steps}") if steps > 1 else None
+        steps, multi = scheduler_steps, {}
+        if steps > 1:
+            multi = {
+                sampled: self._load_or_compile(
+                    multi_step, 1, steps, f"{key}-b1s{steps}" + "-sampled" * sampled, sampled
+                )
+                for sampled in (False, True)
+            }
         # Kept on self only now: dynamo pickles what the traced method's `self` holds into a
         # graph's guards, and a compiled graph there cannot be pickled.
         self._steps, self._multi_step = graphs, multi
         self.compile_seconds = time.perf_counter() - t
         log.info("compiled decode in %.1f s", self.compile_seconds)
 
-    def _load_or_compile(self, compiler, size: int, tokens: int, name: str) -> AOTCompiledFunction:
-        """`compiler`'s graph for `size` sequences of `tokens` rows from the on-disk cache,
-        else compiled and saved there.
+    def _load_or_compile(
+        self, compiler, size: int, tokens: int, name: str, sampled: bool = False
+    ) -> AOTCompiledFunction:
+        """`compiler`'s graph for `size` sequences of `tokens` rows (`sampled`: taking
+        `plain_draw_inputs` too) from the on-disk cache, else compiled and saved there.
         aot_compile bypasses inductor's own cache (it compiled afresh, 30 s for the
         default model's 5 sizes, at every start); a saved graph loads in milliseconds."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
@@ -205,14 +221,16 @@ class CompiledDecode:
                 log.warning("compiled decode: ignoring unreadable cache %s: %s", path, exc)
         if step is None:
             meta, tables = self._inputs([], size, tokens)
+            sampling = plain_draw_inputs(SamplingParams(), None, tokens, self.vocab, self.device)
             # Only the table width is symbolic. The rows and sequences are the size's own:
             # dynamo would make them symbolic from the second size on (it marks a dimension
             # dynamic once it has seen it change), and code for any number of rows is slower.
-            torch._dynamo.mark_static(meta)
+            for x in (meta, *sampling):
+                torch._dynamo.mark_static(x)
             torch._dynamo.mark_static(tables, 0)
             torch._dynamo.mark_dynamic(tables, 1)
             with torch.inference_mode():
-                step = compiler.aot_compile(((meta, tables), {}))
+                step = compiler.aot_compile(((meta, tables, *sampling[: 3 * sampled]), {}))
             try:
                 atomic.write_bytes(path, AOTCompiledFunction.serialize(step).serialized_data)
             except OSError as exc:
@@ -231,35 +249,44 @@ class CompiledDecode:
         logits = self.forward.logits(self.forward(meta[0], meta[1], attn))
         return logits, logits.argmax(-1), torch.stack(attn.new_kv)
 
-    def _eager_steps(self, meta, tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Multi-step decoding: `meta.shape[1]` greedy steps of one sequence, step j's input
-        the argmax of step j - 1 (meta's ids after the first are not read), each attending
-        to the cache and to the K/V of the steps before it. `_eager_step`'s outputs, a row a
-        step."""
+    def _eager_steps(
+        self, meta, tables, knobs=None, top_k=None, noise=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Multi-step decoding: `meta.shape[1]` steps of one sequence, step j's input the
+        token of step j - 1 (meta's ids after the first are not read), each attending to the
+        cache and to the K/V of the steps before it. The token is the argmax, or with
+        `plain_draw_inputs` (knobs, top_k, noise) the draw from noise row j.
+        `_eager_step`'s outputs (the argmax's place taken by the tokens), a row a step."""
         groups = self.forward.n_head // self.forward.n_kv
         ids, earlier = meta[0, :1], None
-        logits, argmax = [], []
+        logits, tokens = [], []
         for j in range(meta.shape[1]):
             attn = DecodeAttention(self.pool.kv, tables, meta[3, j : j + 1], groups, earlier)
             logits.append(self.forward.logits(self.forward(ids, meta[1, j : j + 1], attn)))
-            ids = logits[-1].argmax(-1)
-            argmax.append(ids)
+            ids = (
+                logits[-1].argmax(-1)
+                if noise is None
+                else plain_draw(logits[-1], knobs, top_k, noise[j : j + 1])
+            )
+            tokens.append(ids)
             earlier = (
                 attn.new_kv
                 if earlier is None
                 else [torch.cat(p, 1) for p in zip(earlier, attn.new_kv, strict=True)]
             )
-        return torch.cat(logits), torch.cat(argmax), torch.stack(earlier)
+        return torch.cat(logits), torch.cat(tokens), torch.stack(earlier)
 
-    def _run(self, seqs: list[Sequence], graph, size: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(
+        self, seqs: list[Sequence], graph, size: int, tokens: int, sampling: tuple = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`graph` (of `size` sequences, `tokens` rows each) on `seqs`, padded: logits and
-        argmax of every row; the step's K/V written into the pool."""
+        tokens of every row; the step's K/V written into the pool."""
         meta, tables = self._inputs(seqs, size, tokens)
-        logits, argmax, new_kv = graph(self, meta, tables)
+        logits, drawn, new_kv = graph(self, meta, tables, *sampling)
         kv = self.pool.kv
         L, H2, nb, bs, D = kv.shape
         kv.view(L, H2, nb * bs, D).index_copy_(2, meta[2], new_kv)
-        return logits, argmax
+        return logits, drawn
 
     def _inputs(self, seqs: list[Sequence], size: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(4, size * tokens): ids, positions, slots and cached keys seen, `tokens` rows a
@@ -290,12 +317,17 @@ class CompiledDecode:
 
     def run(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """If this is a step it serves (every sequence a decode, with or without a draft):
-        logits and their argmax, one row per sequence and draft token, in the runner's
-        order (a sequence's draft or lookahead rows first, as RunnerOutput); else None."""
+        logits and their argmax (a multi-step sequence's tokens: its draws, if sampled), one
+        row per sequence and draft token, in the runner's order (a sequence's draft or
+        lookahead rows first, as RunnerOutput); else None."""
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):
             return None
-        if seqs[0].lookahead:  # the scheduler gives a lookahead to a lone sequence only
-            return self._run(seqs, self._multi_step, 1, self.scheduler_steps)
+        if seqs[0].lookahead:  # the scheduler gives a lookahead to a lone plain sequence only
+            seq, steps = seqs[0], self.scheduler_steps
+            if seq.params.greedy:
+                return self._run(seqs, self._multi_step[False], 1, steps)
+            sampling = plain_draw_inputs(seq.params, seq.generator, steps, self.vocab, self.device)
+            return self._run(seqs, self._multi_step[True], 1, steps, sampling)
         tokens = 1 if all(n == 1 for n in num_new) else self.verify_len
         sizes = self.sizes if tokens == 1 else self.verify_sizes
         if not sizes or len(seqs) > sizes[-1] or max(num_new) > tokens:

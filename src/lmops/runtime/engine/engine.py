@@ -411,21 +411,22 @@ class LLMEngine:
             publisher.close()
 
     def _sample(self, batch: ScheduledBatch, output: RunnerOutput) -> SampleResult | None:
-        """A token for each of `batch.samples`, from its row of the logits: the argmax the
-        graph computed where every row is plain greedy, else the sampler's draw. The grammar
-        masks are computed here, after the forward is launched: on CUDA, while it runs."""
+        """A token for each of `batch.samples`, from its row of the logits: the graph's own
+        token where every row is plain greedy or multi-step (its argmax or draw), else the
+        sampler's draw. The grammar masks are computed here, after the forward is launched:
+        on CUDA, while it runs."""
         if not batch.samples:
             return None
-        if output.argmax is not None and all(
-            s.params.plain_greedy and s.grammar is None for s in batch.samples
+        if output.tokens is not None and all(
+            s.lookahead or (s.params.plain_greedy and s.grammar is None) for s in batch.samples
         ):
-            tokens = output.argmax.tolist()
+            tokens = output.tokens.tolist()
             result = SampleResult([tokens[r] for r in batch.sample_rows], [None] * len(batch.samples))
             for k, (seq, row) in enumerate(zip(batch.samples, batch.sample_rows, strict=True)):
                 if seq.draft:
                     verdict = greedy_verdict(tokens[row - len(seq.draft) : row + 1], seq.draft)
                     self._keep(result, k, seq.draft, *verdict)
-                elif seq.lookahead:  # multi-step: the graph's own greedy tokens, all kept
+                elif seq.lookahead:  # multi-step: the graph's own tokens, all kept
                     result.accepted[k] = tokens[row - seq.lookahead : row]
             return result
         logits = output.logits

@@ -51,7 +51,9 @@ class RunnerOutput:
 
     logits: torch.Tensor
     prompt_scores: list[PromptScores]
-    argmax: torch.Tensor | None = None  # the logits' argmax, where the compiled graph computed it
+    # The graph's own token of each row, where the compiled graph ran: the logits' argmax, or a
+    # sampled multi-step sequence's draws.
+    tokens: torch.Tensor | None = None
 
 
 @dataclass

@@ -196,16 +196,18 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
-    def plain_greedy(self) -> bool:
-        """The draw is the raw logits' argmax: greedy, and nothing changes or reports the logits
-        (a grammar's mask is the sequence's, not these params')."""
+    def plain(self) -> bool:
+        """The draw reads the raw logits through temperature and the filters alone: nothing
+        else changes or reports them (a grammar's mask is the sequence's, not these params'),
+        so a compiled graph can make it (compiled.py's multi-step decoding)."""
         return (
-            self.greedy
-            and self.logprobs is None
-            and not self.logit_bias
-            and not self.min_tokens
-            and not self.has_penalties
+            self.logprobs is None and not self.logit_bias and not self.min_tokens and not self.has_penalties
         )
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The draw is the raw logits' argmax."""
+        return self.greedy and self.plain
 
     @property
     def has_penalties(self) -> bool:
@@ -269,32 +271,51 @@ def apply_penalties(logits: torch.Tensor, seqs: list[SampleInput]) -> torch.Tens
 def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """min_p, top_k, top_p on temperature-scaled logits; each only when some row uses it."""
     V, dev = logits.shape[1], logits.device
-    if any(p.min_p > 0 for p in params):
-        probs = logits.softmax(-1)
-        min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
-        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
+
+    def column(values: list) -> torch.Tensor:
+        return torch.tensor(values, device=dev)[:, None]
+
     ks = [p.top_k if 0 < p.top_k < V else V for p in params]
-    use_k = min(ks) < V
-    use_p = any(p.top_p < 1 for p in params)
-    if not (use_k or use_p):
-        return logits
     # The tokens kept are the most likely few: rank those (top_k's k, or for top_p a candidate
-    # set, widened to the whole vocabulary where it lacks a row's top_p mass), not all of them:
-    # a full sort was most of a sampled step. Each filter is then a threshold on the logits.
-    m = min(
+    # set), not all of them: a full sort was most of a sampled step.
+    candidates = min(
         V, max(k if k < V else TOP_CANDIDATES if p.top_p < 1 else 1 for k, p in zip(ks, params, strict=True))
     )
-    top = logits.topk(m, -1).values  # descending
-    if use_k:
-        k = torch.tensor(ks, device=dev)[:, None]
-        kth = torch.where(k < V, top.gather(1, k.clamp(max=m) - 1), -math.inf)
+    return filter_logits(
+        logits,
+        column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
+        column(ks) if min(ks) < V else None,
+        column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
+        candidates,
+    )
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    min_p: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    candidates: int,
+) -> torch.Tensor:
+    """The filters as thresholds on the logits, each a (R, 1) column or None (no row uses it;
+    a row without a limit has min_p 0, top_k V, top_p 1). Only the `candidates` most likely
+    tokens are ranked, widened to the whole vocabulary where they hold less than a row's
+    top_p; with `candidates` V (a compiled graph's: no data-dependent branch), a sort."""
+    V = logits.shape[1]
+    if min_p is not None:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
+    if top_k is None and top_p is None:
+        return logits
+    top = logits.topk(candidates, -1).values  # descending
+    if top_k is not None:
+        kth = torch.where(top_k < V, top.gather(1, top_k.clamp(max=candidates) - 1), -math.inf)
         top = top.masked_fill(top < kth, -math.inf)
         logits = logits.masked_fill(logits < kth, -math.inf)
-    if use_p:
-        top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    if top_p is not None:
         lse = logits.logsumexp(-1, keepdim=True)
         probs = (top - lse).exp()
-        if m < V and bool(((probs.sum(-1, keepdim=True) < top_p) & (top_p < 1)).any()):
+        if candidates < V and bool(((probs.sum(-1, keepdim=True) < top_p) & (top_p < 1)).any()):
             top = logits.topk(V, -1).values
             probs = (top - lse).exp()
         # A token stays while the tokens ranked above it hold less than top_p (so the most
@@ -414,9 +435,7 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One draw per row of `probs` (unnormalized is fine): the exponential race, with a
-    row's noise from its generator where it has one. The noise is -log(U), U uniform: Exp(1),
-    as `exponential_` draws, in a sixth of its time on CPU (a scalar loop there: 80 us a
-    4096-token row, most of a sampled step's sampler; benchmarks/README.md, "Single stream")."""
+    row's noise from its generator where it has one."""
     seeded = [i for i, g in enumerate(generators) if g is not None]
     u = (
         torch.rand(probs.shape, device=probs.device)
@@ -425,7 +444,37 @@ def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     )
     for i in seeded:
         u[i].uniform_(generator=generators[i])
-    return argmax(probs / u.log_().neg_().clamp_min_(1e-10))
+    return argmax(exponential_race(probs, u))
+
+
+def exponential_race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """p / q for q = -log(u), u uniform: q is Exp(1), as `exponential_` draws, in a sixth of
+    its time on CPU (a scalar loop there: 80 us a 4096-token row, most of a sampled step's
+    sampler; benchmarks/README.md, "Single stream"). Its argmax is the draw."""
+    return probs / u.log().neg_().clamp_min_(1e-10)
+
+
+def plain_draw_inputs(
+    params: SamplingParams, generator: torch.Generator | None, steps: int, vocab: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `plain_draw` reads for `steps` draws of a plain sampled request: (1, 3) its
+    temperature, top_p and min_p; (1, 1) its top_k (the vocabulary: no limit); (steps, vocab)
+    uniform noise from its generator, the numbers `race` draws over as many steps."""
+    top_k = params.top_k if 0 < params.top_k < vocab else vocab
+    knobs = torch.tensor([[params.temperature, params.top_p, params.min_p]], device=device)
+    noise = torch.empty(steps, vocab, device=device)
+    return knobs, torch.tensor([[top_k]], device=device), noise.uniform_(generator=generator)
+
+
+def plain_draw(
+    logits: torch.Tensor, knobs: torch.Tensor, top_k: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """A plain sampled row's token (`SamplingParams.plain`, not greedy) in tensor ops alone,
+    for a compiled graph: `sample`'s temperature, filters and race, the filters ranking the
+    whole vocabulary (no data-dependent branch); from the same noise, `sample`'s token."""
+    temperature, top_p, min_p = knobs.split(1, 1)
+    filtered = filter_logits(logits.float() / temperature, min_p, top_k, top_p, logits.shape[1])
+    return exponential_race(filtered.softmax(-1), u).argmax(-1)
 
 
 class _Ahead:
