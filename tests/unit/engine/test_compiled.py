@@ -308,7 +308,7 @@ def test_multi_step_stops_where_one_step_greedy_stops(
     "sampling",
     [
         {"temperature": 0.8, "top_k": 50, "top_p": 0.95},  # the generation config's
-        {"temperature": 1.0, "top_p": 0.9},
+        {"temperature": 1.0, "top_k": 20, "top_p": 0.9},
         {"temperature": 1.3, "min_p": 0.02},
     ],
 )
@@ -337,9 +337,9 @@ def test_multi_step_draws_a_sampled_requests_tokens_in_the_graph(
 
 def test_multi_step_only_for_a_lone_plain_request(multi_step_engine, eager_engine, prompts):
     """Two requests at once, and requests whose draw needs the eager sampler (log-probs,
-    penalties, a logit bias, min_tokens) decode one step at a time (a newcomer would wait
-    for a whole run; the sampler runs between steps), to the same tokens as without
-    multi-step."""
+    penalties, a logit bias, min_tokens, top_p over the whole vocabulary) decode one step at
+    a time (a newcomer would wait for a whole run; the sampler runs between steps), to the
+    same tokens as without multi-step."""
     engine = multi_step_engine
     served = served_by_graphs(engine)
     two = [o.token_ids for o in engine.generate(prompts[3:5], GREEDY)]
@@ -347,9 +347,14 @@ def test_multi_step_only_for_a_lone_plain_request(multi_step_engine, eager_engin
     seeded = {"temperature": 0.8, "seed": 3, "max_tokens": 20, "ignore_eos": True}
     for extra in ({"logprobs": 1}, {"presence_penalty": 0.5}, {"logit_bias": {7: 3.0}}, {"min_tokens": 5}):
         for params in (SamplingParams(**GREEDY_FIELDS, **extra), SamplingParams(**seeded, **extra)):
-            assert not params.plain
+            assert not params.graph_draw
             got = engine.generate([prompts[6]], params)[0]
             assert got.token_ids == eager_engine.generate([prompts[6]], params)[0].token_ids
+    top_p = SamplingParams(**seeded, top_p=0.9)
+    assert (
+        engine.generate([prompts[6]], top_p)[0].token_ids
+        == eager_engine.generate([prompts[6]], top_p)[0].token_ids
+    )
     assert served and all(n == 1 for _, n in served)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from lmops.runtime.engine import SamplingParams
 from lmops.runtime.engine.sampling import (
+    GRAPH_CANDIDATES,
     GREEDY_BELOW,
     OPTIONAL,
     RANGES,
@@ -175,21 +176,20 @@ def test_filters_rank_a_candidate_set_and_keep_what_a_full_sort_keeps():
     "kw",
     [
         {},
-        {"top_p": 0.9},
         {"top_k": 5},
-        {"top_k": 50, "top_p": 0.95},
-        {"top_k": TOP_CANDIDATES + 300, "top_p": 0.95},
+        {"top_k": 50, "top_p": 0.95},  # the generation config's
+        {"top_k": GRAPH_CANDIDATES, "top_p": 0.9},
         {"min_p": 0.05},
-        {"temperature": 1.7, "top_p": 0.999},
+        {"temperature": 1.7, "top_k": 100, "top_p": 0.999, "min_p": 0.01},
     ],
 )
 def test_the_graphs_draw_is_the_samplers_from_the_same_generator(kw):
-    """Multi-step decoding draws in the compiled graph (`plain_draw`: the filters over the
-    whole vocabulary, no data-dependent branch) from noise its request's generator drew
-    for all the steps at once; the sampler draws a step at a time. The same tokens, on
-    peaked rows and on flat ones (whose top_p needs more than the sampler's candidate set),
-    and they are draws: they vary."""
+    """Multi-step decoding draws in the compiled graph (`plain_draw`: GRAPH_CANDIDATES
+    tokens ranked, no data-dependent branch) from noise its request's generator drew for
+    all the steps at once; the sampler draws a step at a time. The same tokens, on peaked
+    rows and on flat ones, and they are draws: they vary."""
     params = SamplingParams(**{"temperature": 0.8, **kw})
+    assert params.graph_draw
     g, steps = gen(4), 6
     rows = torch.cat([torch.randn(3, 4096, generator=g) * 6, torch.randn(3, 4096, generator=g) * 0.3])
     drawn = set()
@@ -200,6 +200,24 @@ def test_the_graphs_draw_is_the_samplers_from_the_same_generator(kw):
         assert in_graph == [sample(logits, [row(params, sampler)]).token_ids[0] for _ in range(steps)]
         drawn.update(in_graph)
     assert len(drawn) > 12
+
+
+def test_a_graph_draws_only_what_its_candidates_hold():
+    """top_p over the whole vocabulary, or a top_k past GRAPH_CANDIDATES, may need more
+    tokens ranked than the graph ranks: the eager sampler draws those (and whatever else
+    shapes or reports the logits)."""
+    assert SamplingParams(temperature=0).graph_draw and SamplingParams(temperature=1.2, min_p=0.1).graph_draw
+    assert SamplingParams(top_k=GRAPH_CANDIDATES, top_p=0.5).graph_draw
+    for kw in (
+        {"top_p": 0.9},
+        {"top_k": GRAPH_CANDIDATES + 1},
+        {"top_k": GRAPH_CANDIDATES + 1, "top_p": 0.9},
+        {"top_k": 50, "logprobs": 2},
+        {"top_k": 50, "presence_penalty": 0.5},
+        {"logit_bias": {3: 1.0}},
+        {"min_tokens": 2},
+    ):
+        assert not SamplingParams(**kw).graph_draw, kw
 
 
 def test_a_vanishing_temperature_is_greedy_and_a_nan_row_still_keeps_a_token():

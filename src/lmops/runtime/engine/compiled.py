@@ -4,8 +4,9 @@ a few hundred eagerly dispatched small ops (at batch 1 a decode step is mostly t
 overhead; see benchmarks/README.md). With speculative decoding, a step whose decodes
 carry drafts runs through graphs of 1 + K tokens a sequence the same way (each token sees
 its sequence's cache and, causally, the step's earlier tokens). With multi-step decoding
-(`num_scheduler_steps` S), a lone plain decode (greedy, or sampled with temperature and the
-filters alone) runs S steps in one graph, each step's token the next one's input (its
+(`num_scheduler_steps` S), a lone decode whose draw a graph can make (greedy, or sampled with
+temperature and the filters alone: `SamplingParams.graph_draw`) runs S steps in one graph,
+each step's token the next one's input (its
 argmax, or its draw: the sampler's filters and race, in the graph, from noise drawn before
 the call by the request's generator): one call, and one pass of the Python around it, for S
 tokens.
@@ -322,7 +323,7 @@ class CompiledDecode:
         lookahead rows first, as RunnerOutput); else None."""
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):
             return None
-        if seqs[0].lookahead:  # the scheduler gives a lookahead to a lone plain sequence only
+        if seqs[0].lookahead:  # the scheduler gives a lookahead to a lone graph_draw sequence only
             seq, steps = seqs[0], self.scheduler_steps
             if seq.params.greedy:
                 return self._run(seqs, self._multi_step[False], 1, steps)

@@ -25,6 +25,10 @@ from lmops.runtime.generation_config import GENERATION_FILE, default_sampling_fi
 
 MAX_LOGPROBS = 20
 TOP_CANDIDATES = 512  # top_k / top_p rank this many of the most likely tokens first
+# A compiled graph's draw (`plain_draw`) ranks this many, with no widening (a branch on the
+# data): top_k up to it, and top_p only inside such a top_k. Ranking the whole vocabulary
+# instead cost 230 us a 4,096-token row on CPU, this 16 (benchmarks/README.md, "Single stream").
+GRAPH_CANDIDATES = 128
 MAX_TEMPERATURE = 2.0  # OpenAI's cap; higher is noise
 # A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing the logits by it
 # would overflow them to infinities, whose probabilities are NaN.
@@ -198,8 +202,7 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """The draw reads the raw logits through temperature and the filters alone: nothing
-        else changes or reports them (a grammar's mask is the sequence's, not these params'),
-        so a compiled graph can make it (compiled.py's multi-step decoding)."""
+        else changes or reports them (a grammar's mask is the sequence's, not these params')."""
         return (
             self.logprobs is None and not self.logit_bias and not self.min_tokens and not self.has_penalties
         )
@@ -208,6 +211,14 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """The draw is the raw logits' argmax."""
         return self.greedy and self.plain
+
+    @property
+    def graph_draw(self) -> bool:
+        """A compiled graph can make the draw (compiled.py's multi-step decoding): plain, and
+        greedy or filtered within the GRAPH_CANDIDATES most likely tokens (top_k at most
+        that; top_p only under such a top_k; any temperature and min_p)."""
+        ranked = 0 < self.top_k <= GRAPH_CANDIDATES
+        return self.plain and (self.greedy or ((ranked or self.top_k <= 0) and (ranked or self.top_p == 1)))
 
     @property
     def has_penalties(self) -> bool:
@@ -296,11 +307,13 @@ def filter_logits(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     candidates: int,
+    widen: bool = True,
 ) -> torch.Tensor:
     """The filters as thresholds on the logits, each a (R, 1) column or None (no row uses it;
     a row without a limit has min_p 0, top_k V, top_p 1). Only the `candidates` most likely
-    tokens are ranked, widened to the whole vocabulary where they hold less than a row's
-    top_p; with `candidates` V (a compiled graph's: no data-dependent branch), a sort."""
+    tokens are ranked; with `widen`, all of them where those hold less than a row's top_p
+    (a branch on the data, which a compiled graph leaves out: its rows' top_p sits under a
+    top_k of at most `candidates`, `SamplingParams.graph_draw`)."""
     V = logits.shape[1]
     if min_p is not None:
         probs = logits.softmax(-1)
@@ -315,7 +328,7 @@ def filter_logits(
     if top_p is not None:
         lse = logits.logsumexp(-1, keepdim=True)
         probs = (top - lse).exp()
-        if candidates < V and bool(((probs.sum(-1, keepdim=True) < top_p) & (top_p < 1)).any()):
+        if widen and candidates < V and bool(((probs.sum(-1, keepdim=True) < top_p) & (top_p < 1)).any()):
             top = logits.topk(V, -1).values
             probs = (top - lse).exp()
         # A token stays while the tokens ranked above it hold less than top_p (so the most
@@ -457,7 +470,7 @@ def exponential_race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def plain_draw_inputs(
     params: SamplingParams, generator: torch.Generator | None, steps: int, vocab: int, device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What `plain_draw` reads for `steps` draws of a plain sampled request: (1, 3) its
+    """What `plain_draw` reads for `steps` draws of a `graph_draw` sampled request: (1, 3) its
     temperature, top_p and min_p; (1, 1) its top_k (the vocabulary: no limit); (steps, vocab)
     uniform noise from its generator, the numbers `race` draws over as many steps."""
     top_k = params.top_k if 0 < params.top_k < vocab else vocab
@@ -469,11 +482,12 @@ def plain_draw_inputs(
 def plain_draw(
     logits: torch.Tensor, knobs: torch.Tensor, top_k: torch.Tensor, u: torch.Tensor
 ) -> torch.Tensor:
-    """A plain sampled row's token (`SamplingParams.plain`, not greedy) in tensor ops alone,
-    for a compiled graph: `sample`'s temperature, filters and race, the filters ranking the
-    whole vocabulary (no data-dependent branch); from the same noise, `sample`'s token."""
+    """A sampled row's token (`SamplingParams.graph_draw`) in tensor ops alone, for a compiled
+    graph: `sample`'s temperature, filters and race, the filters ranking GRAPH_CANDIDATES
+    tokens with no data-dependent branch; from the same noise, `sample`'s token."""
     temperature, top_p, min_p = knobs.split(1, 1)
-    filtered = filter_logits(logits.float() / temperature, min_p, top_k, top_p, logits.shape[1])
+    x = logits.float() / temperature
+    filtered = filter_logits(x, min_p, top_k, top_p, min(GRAPH_CANDIDATES, x.shape[1]), widen=False)
     return exponential_race(filtered.softmax(-1), u).argmax(-1)
 
 

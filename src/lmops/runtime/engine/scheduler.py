@@ -17,8 +17,9 @@ last token, and the verifier keeps the prefix that greedy decoding would have pr
 anyway, or, for a sampled request, what rejection sampling accepts (engine.py's `_verify`,
 sampling.py's `speculative_sample`).
 
-With `num_scheduler_steps` S (vLLM's multi-step scheduling), a lone plain decode (greedy,
-or sampled with temperature and the filters alone) gets a lookahead of S - 1 tokens: the
+With `num_scheduler_steps` S (vLLM's multi-step scheduling), a lone decode whose draw a
+graph can make (`SamplingParams.graph_draw`: greedy, or sampled with temperature and the
+filters alone) gets a lookahead of S - 1 tokens: the
 compiled graph generates them after its next token, each step's token (argmax or draw) the
 next one's input, so one step of the engine makes S tokens (compiled.py).
 
@@ -203,13 +204,14 @@ class Scheduler:
 
     def _lookahead(self, seq: Sequence, room: int) -> int:
         """`num_scheduler_steps` - 1 for a decode that is the only sequence, nothing waiting
-        (a newcomer would wait for the whole run of steps), plain (`SamplingParams.plain`: a
-        penalised, biased, masked or logprobs row needs the eager sampler between steps),
+        (a newcomer would wait for the whole run of steps), a draw the graph can make
+        (`SamplingParams.graph_draw`: a penalised, biased, masked or logprobs row, or top_p
+        over the whole vocabulary, needs the eager sampler between steps),
         within `room`, the request's max_tokens and the free blocks; else 0. All or nothing:
         the graph runs S steps."""
         k = self.num_scheduler_steps - 1
         alone = len(self.running) == 1 and not self.waiting and not seq.pending_forks
-        if not k or not alone or not seq.params.plain or seq.grammar is not None:
+        if not k or not alone or not seq.params.graph_draw or seq.grammar is not None:
             return 0
         if k > min(room, seq.request.max_tokens - seq.num_output_tokens - 1):
             return 0
