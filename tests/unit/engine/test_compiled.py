@@ -178,6 +178,30 @@ def test_plain_greedy_decodes_take_the_graphs_argmax(compiled_engine, prompts, m
     assert len(calls) == 1 + GREEDY.max_tokens
 
 
+def test_a_lone_sampled_decode_draws_in_the_graph(model_dir, compiled_engine, prompts, monkeypatch):
+    """A lone sampled request's decode steps draw their tokens in the size-1 graph, from noise
+    its generator draws as the sampler would: a seeded request gets the eager engine's
+    tokens, and the sampler runs for the prefill only. Two at once, or a top_p over the
+    whole vocabulary, go through the sampler every step, to the eager engine's tokens too."""
+    calls = []
+    real = engine_module.sample
+    monkeypatch.setattr(
+        engine_module, "sample", lambda logits, *a: calls.append(len(logits)) or real(logits, *a)
+    )
+    eager = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=False)
+    drawn = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=5, max_tokens=20, ignore_eos=True)
+    want = eager.generate([prompts[7]], drawn)[0].token_ids
+    calls.clear()
+    assert compiled_engine.generate([prompts[7]], drawn)[0].token_ids == want
+    assert calls == [1] and len(set(want)) > 5
+    top_p = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=20, ignore_eos=True)
+    for batch, params in (([prompts[7]], top_p), (prompts[7:9], drawn)):
+        calls.clear()
+        got = [o.token_ids for o in compiled_engine.generate(batch, params)]
+        assert got == [o.token_ids for o in eager.generate(batch, params)]
+        assert len(calls) >= 20
+
+
 @pytest.fixture(scope="module")
 def speculative_engine(model_dir):
     """Drafts of up to 4 tokens: verification graphs of 5 tokens a sequence for 1 and 2
@@ -317,8 +341,8 @@ def test_multi_step_draws_a_sampled_requests_tokens_in_the_graph(
 ):
     """A lone plain sampled request runs multi-step too, its draws made in the graph from
     noise its generator drew for the run: a seeded request gets the tokens the eager
-    sampler draws one step at a time, and the sampler runs only for the prefill and for
-    the last 3 tokens, too few for a whole run."""
+    sampler draws one step at a time, and the sampler runs for the prefill only (the last
+    3 tokens, too few for a whole run, are drawn by the one-step graph)."""
     engine = multi_step_engine
     served = served_by_graphs(engine)
     calls = []
@@ -331,7 +355,7 @@ def test_multi_step_draws_a_sampled_requests_tokens_in_the_graph(
     calls.clear()
     assert engine.generate([prompts[6]], params)[0].token_ids == want
     assert len(set(want)) > 5  # drawn: not one token repeated
-    assert [n for _, n in served] == [4, 4, 4, 4, 1, 1, 1] and calls == [1, 1, 1, 1]
+    assert [n for _, n in served] == [4, 4, 4, 4, 1, 1, 1] and calls == [1]
     all_blocks_free(engine)
 
 

@@ -9,7 +9,8 @@ temperature and the filters alone: `SamplingParams.graph_draw`) runs S steps in 
 each step's token the next one's input (its
 argmax, or its draw: the sampler's filters and race, in the graph, from noise drawn before
 the call by the request's generator): one call, and one pass of the Python around it, for S
-tokens.
+tokens. A lone sampled decode of one step draws in the graph the same way (a graph of its
+own), so the sampler's dispatches leave the single stream's step too.
 Any other step (prefills, mixed batches, more sequences than the largest size) takes the
 runner's eager path.
 
@@ -126,8 +127,8 @@ class CompiledDecode:
     `num_speculative_tokens` K, also the steps that verify drafts (every sequence a decode
     with up to K draft tokens), through graphs of 1 + K tokens a sequence for the sizes of
     at most 16 tokens in all, so that single-stream speculative decoding runs compiled too;
-    with `scheduler_steps` S > 1, also S steps of one sequence in one graph, greedy or
-    sampled (a graph each)."""
+    a lone sampled decode through a graph that draws its token; with `scheduler_steps` S > 1,
+    also S steps of one sequence in one graph, greedy or sampled (a graph each)."""
 
     def __init__(
         self,
@@ -178,9 +179,7 @@ class CompiledDecode:
             "compiling decode for (batch size, tokens) %s%s (on 2 CPU cores: 40-70 s the first time, "
             "2-3 s from %s after that; LMOPS_COMPILE=0 skips it)",
             shapes,
-            f" and {scheduler_steps} steps of one sequence, greedy and sampled"
-            if scheduler_steps > 1
-            else "",
+            f", one sampled step{f' and {scheduler_steps} steps' * (scheduler_steps > 1)} of one sequence",
             self.cache_dir,
         )
         t = time.perf_counter()
@@ -188,17 +187,16 @@ class CompiledDecode:
             (b, n): self._load_or_compile(one_step, b, n, f"{key}-b{b}" + f"t{n}" * (n > 1))
             for b, n in shapes
         }
-        steps, multi = scheduler_steps, {}
-        if steps > 1:
-            multi = {
-                sampled: self._load_or_compile(
-                    multi_step, 1, steps, f"{key}-b1s{steps}" + "-sampled" * sampled, sampled
-                )
-                for sampled in (False, True)
-            }
+        # A lone sequence's graphs that make its tokens, by (steps, sampled): one sampled step,
+        # and with multi-step decoding S steps greedy and sampled (one greedy step is `graphs`').
+        lone = [(1, True)] + [(scheduler_steps, s) for s in (False, True)] * (scheduler_steps > 1)
+        lone = {
+            (n, s): self._load_or_compile(multi_step, 1, n, f"{key}-b1s{n}" + "-sampled" * s, s)
+            for n, s in lone
+        }
         # Kept on self only now: dynamo pickles what the traced method's `self` holds into a
         # graph's guards, and a compiled graph there cannot be pickled.
-        self._steps, self._multi_step = graphs, multi
+        self._steps, self._lone = graphs, lone
         self.compile_seconds = time.perf_counter() - t
         log.info("compiled decode in %.1f s", self.compile_seconds)
 
@@ -316,19 +314,26 @@ class CompiledDecode:
         tables = [t + [self.scratch_block] * (width - len(t)) for t in tables]
         return torch.tensor(meta, device=self.device), torch.tensor(tables, device=self.device)
 
-    def run(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run(
+        self, seqs: list[Sequence], num_new: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """If this is a step it serves (every sequence a decode, with or without a draft):
-        logits and their argmax (a multi-step sequence's tokens: its draws, if sampled), one
-        row per sequence and draft token, in the runner's order (a sequence's draft or
-        lookahead rows first, as RunnerOutput); else None."""
+        logits, one row per sequence and draft token, in the runner's order (a sequence's
+        draft or lookahead rows first, as RunnerOutput), and each row's token where the graph
+        made every row's (plain greedy rows: the argmax; a lone `graph_draw` sequence: its
+        draws), else None in its place; None if it does not serve the step."""
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):
             return None
-        if seqs[0].lookahead:  # the scheduler gives a lookahead to a lone graph_draw sequence only
-            seq, steps = seqs[0], self.scheduler_steps
-            if seq.params.greedy:
-                return self._run(seqs, self._multi_step[False], 1, steps)
-            sampling = plain_draw_inputs(seq.params, seq.generator, steps, self.vocab, self.device)
-            return self._run(seqs, self._multi_step[True], 1, steps, sampling)
+        seq = seqs[0]
+        steps, sampled = 1 + seq.lookahead, not seq.params.greedy
+        # A lookahead is the scheduler's for a lone sequence that `graph_draws` only.
+        if seq.lookahead or (len(seqs) == 1 and num_new == [1] and sampled and seq.graph_draws):
+            inputs = (
+                plain_draw_inputs(seq.params, seq.generator, steps, self.vocab, self.device)
+                if sampled
+                else ()
+            )
+            return self._run(seqs, self._lone[steps, sampled], 1, steps, inputs)
         tokens = 1 if all(n == 1 for n in num_new) else self.verify_len
         sizes = self.sizes if tokens == 1 else self.verify_sizes
         if not sizes or len(seqs) > sizes[-1] or max(num_new) > tokens:
@@ -336,11 +341,12 @@ class CompiledDecode:
         size = next(b for b in sizes if b >= len(seqs))
         logits, argmax = self._run(seqs, self._steps[size, tokens], size, tokens)
         if tokens == 1:
-            return logits[: len(seqs)], argmax[: len(seqs)]
-        rows = torch.tensor(
-            [b * tokens + j for b, n in enumerate(num_new) for j in range(n)], device=self.device
-        )
-        return logits[rows], argmax[rows]
+            logits, argmax = logits[: len(seqs)], argmax[: len(seqs)]
+        else:
+            rows = [b * tokens + j for b, n in enumerate(num_new) for j in range(n)]
+            rows = torch.tensor(rows, device=self.device)
+            logits, argmax = logits[rows], argmax[rows]
+        return logits, argmax if all(s.params.greedy and s.graph_draws for s in seqs) else None
 
 
 def _structure_key(forward: FusedForward, pool: KVPool) -> str:

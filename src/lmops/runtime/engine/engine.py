@@ -412,14 +412,12 @@ class LLMEngine:
 
     def _sample(self, batch: ScheduledBatch, output: RunnerOutput) -> SampleResult | None:
         """A token for each of `batch.samples`, from its row of the logits: the graph's own
-        token where every row is plain greedy or multi-step (its argmax or draw), else the
-        sampler's draw. The grammar masks are computed here, after the forward is launched:
-        on CUDA, while it runs."""
+        tokens where it made every row's (its argmax or draw), else the sampler's draw. The
+        grammar masks are computed here, after the forward is launched: on CUDA, while it
+        runs."""
         if not batch.samples:
             return None
-        if output.tokens is not None and all(
-            s.lookahead or (s.params.plain_greedy and s.grammar is None) for s in batch.samples
-        ):
+        if output.tokens is not None:
             tokens = output.tokens.tolist()
             result = SampleResult([tokens[r] for r in batch.sample_rows], [None] * len(batch.samples))
             for k, (seq, row) in enumerate(zip(batch.samples, batch.sample_rows, strict=True)):

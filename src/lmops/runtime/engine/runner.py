@@ -51,8 +51,8 @@ class RunnerOutput:
 
     logits: torch.Tensor
     prompt_scores: list[PromptScores]
-    # The graph's own token of each row, where the compiled graph ran: the logits' argmax, or a
-    # sampled multi-step sequence's draws.
+    # Each row's token, where the compiled graph made every row's: the logits' argmax (plain
+    # greedy rows), or a lone sampled sequence's draws.
     tokens: torch.Tensor | None = None
 
 

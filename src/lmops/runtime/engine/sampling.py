@@ -200,25 +200,17 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
-    def plain(self) -> bool:
-        """The draw reads the raw logits through temperature and the filters alone: nothing
-        else changes or reports them (a grammar's mask is the sequence's, not these params')."""
-        return (
+    def graph_draw(self) -> bool:
+        """A compiled graph can make the draw (compiled.py: a lone sequence's step, or its
+        multi-step run): nothing but temperature and the filters shapes it (no penalty, bias,
+        min_tokens or log-probs; a grammar's mask is the sequence's, not these params'), and
+        the filters need no more than the GRAPH_CANDIDATES most likely tokens: top_k at most
+        that, top_p only under such a top_k, any temperature and min_p."""
+        plain = (
             self.logprobs is None and not self.logit_bias and not self.min_tokens and not self.has_penalties
         )
-
-    @property
-    def plain_greedy(self) -> bool:
-        """The draw is the raw logits' argmax."""
-        return self.greedy and self.plain
-
-    @property
-    def graph_draw(self) -> bool:
-        """A compiled graph can make the draw (compiled.py's multi-step decoding): plain, and
-        greedy or filtered within the GRAPH_CANDIDATES most likely tokens (top_k at most
-        that; top_p only under such a top_k; any temperature and min_p)."""
         ranked = 0 < self.top_k <= GRAPH_CANDIDATES
-        return self.plain and (self.greedy or ((ranked or self.top_k <= 0) and (ranked or self.top_p == 1)))
+        return plain and (self.greedy or ((ranked or self.top_k <= 0) and (ranked or self.top_p == 1)))
 
     @property
     def has_penalties(self) -> bool:

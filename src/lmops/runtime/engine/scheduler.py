@@ -211,7 +211,7 @@ class Scheduler:
         the graph runs S steps."""
         k = self.num_scheduler_steps - 1
         alone = len(self.running) == 1 and not self.waiting and not seq.pending_forks
-        if not k or not alone or not seq.params.graph_draw or seq.grammar is not None:
+        if not k or not alone or not seq.graph_draws:
             return 0
         if k > min(room, seq.request.max_tokens - seq.num_output_tokens - 1):
             return 0

@@ -173,6 +173,12 @@ class Sequence:
         return self.status is Status.FINISHED
 
     @property
+    def graph_draws(self) -> bool:
+        """A compiled graph can make this sequence's tokens: `SamplingParams.graph_draw`, and no
+        grammar masks the logits."""
+        return self.params.graph_draw and self.grammar is None
+
+    @property
     def scoring(self) -> bool:
         """Prompt positions still to go through the LM head. Such a sequence is prefilled
         whole: cached prefix blocks hold K/V, not the log-probs it needs."""
