@@ -307,9 +307,8 @@ def filter_logits(
     (a branch on the data, which a compiled graph leaves out: its rows' top_p sits under a
     top_k of at most `candidates`, `SamplingParams.graph_draw`)."""
     V = logits.shape[1]
-    if min_p is not None:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
+    if min_p is not None:  # p < min_p * max p, in logits: no softmax (min_p 0: log 0 = -inf)
+        logits = logits.masked_fill(logits < logits.amax(-1, keepdim=True) + min_p.log(), -math.inf)
     if top_k is None and top_p is None:
         return logits
     top = logits.topk(candidates, -1).values  # descending
