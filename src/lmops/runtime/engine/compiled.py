@@ -220,7 +220,9 @@ class CompiledDecode:
                 log.warning("compiled decode: ignoring unreadable cache %s: %s", path, exc)
         if step is None:
             meta, tables = self._inputs([], size, tokens)
-            sampling = plain_draw_inputs(SamplingParams(), None, tokens, self.vocab, self.device)
+            sampling = (
+                plain_draw_inputs(SamplingParams(), None, tokens, self.vocab, self.device) if sampled else ()
+            )
             # Only the table width is symbolic. The rows and sequences are the size's own:
             # dynamo would make them symbolic from the second size on (it marks a dimension
             # dynamic once it has seen it change), and code for any number of rows is slower.
@@ -229,7 +231,7 @@ class CompiledDecode:
             torch._dynamo.mark_static(tables, 0)
             torch._dynamo.mark_dynamic(tables, 1)
             with torch.inference_mode():
-                step = compiler.aot_compile(((meta, tables, *sampling[: 3 * sampled]), {}))
+                step = compiler.aot_compile(((meta, tables, *sampling), {}))
             try:
                 atomic.write_bytes(path, AOTCompiledFunction.serialize(step).serialized_data)
             except OSError as exc:
