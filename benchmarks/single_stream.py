@@ -2,7 +2,7 @@
 a baseline commit, in one run.
 
     python benchmarks/single_stream.py [--baseline REV] [--threads 1 2] [--rounds 7] [--speculative 4]
-        [--scheduler-steps 4] [--draft-model target|tiny] [--model DIR --prompts-from TEXT [--num-prompts 8]] [--quick]
+        [--scheduler-steps 4] [--draft-model target|tiny] [--model DIR --prompts-from TEXT [--num-prompts 8]] [--int8] [--quick]
 
 All engines run the same random default-size model (benchmarks/engine.py's, context 1024)
 and the same greedy request (128-token prompt, 128 new tokens, EOS ignored), compiled decode
@@ -25,8 +25,9 @@ on the same model (fp32, converted by its own Transformers converter; through
 `generate_tokens`). Every worker's greedy tokens must be the baseline's. `--sampling
 temperature=0.8 top_p=0.95 ...` makes every request a sampled one with those
 SamplingParams fields (CTranslate2's: temperature, top_k and top_p; the same count of
-tokens, each engine's own draws, not compared).
-Writes benchmarks/results/single-stream-cpu.json.
+tokens, each engine's own draws, not compared). `--int8` gives every engine int8 weights
+(lmops's `quantization="int8"`, CTranslate2's int8 compute type; CTranslate2's tokens, from
+its own quantization, are not compared). Writes benchmarks/results/single-stream-cpu.json.
 """
 
 from __future__ import annotations
@@ -55,10 +56,16 @@ ENGINES = ("baseline", "now", "multi-step", "speculative", "ctranslate2")
 
 
 def worker(
-    model_dir: Path, threads: int, speculative: int, draft_dir: Path | None, steps: int, sampling: dict
+    model_dir: Path,
+    threads: int,
+    speculative: int,
+    draft_dir: Path | None,
+    steps: int,
+    sampling: dict,
+    int8: bool,
 ) -> None:
     """Serve requests from stdin (one JSON line: prompt ids and new tokens), answer one JSON
-    line each; greedy, or `sampling`'s SamplingParams fields."""
+    line each; greedy, or `sampling`'s SamplingParams fields; `int8`: int8 weights."""
     import torch
 
     torch.set_num_threads(threads)
@@ -69,6 +76,8 @@ def worker(
         spec["speculative_model"] = str(draft_dir)
     if steps > 1:
         spec["num_scheduler_steps"] = steps
+    if int8:
+        spec["quantization"] = "int8"
     engine = LLMEngine.from_pretrained(model_dir, device="cpu", compile=True, drift_sample=0, **spec)
     print(json.dumps({"ready": True, "compiled": engine.runner.decode is not None}), flush=True)
     for i, line in enumerate(sys.stdin):
@@ -95,13 +104,13 @@ def worker(
         print(json.dumps({**result, "tokens": out.token_ids}), flush=True)
 
 
-def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int, sampling: dict) -> None:
-    """`worker` for CTranslate2's Generator (engine.py's CT2: fp32, EOS ignored; greedy, or
-    `sampling`'s temperature, top_k and top_p): the same protocol, the same figures, timed at
-    the tokens its `generate_tokens` streams."""
+def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int, sampling: dict, int8: bool) -> None:
+    """`worker` for CTranslate2's Generator (engine.py's CT2: fp32, or its int8 compute type;
+    EOS ignored; greedy, or `sampling`'s temperature, top_k and top_p): the same protocol, the
+    same figures, timed at the tokens its `generate_tokens` streams."""
     from engine import CT2
 
-    ct2 = CT2(ct2_dir, model_dir, "float32", threads)
+    ct2 = CT2(ct2_dir, model_dir, "int8" if int8 else "float32", threads)
     print(json.dumps({"ready": True, "compiled": False}), flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
@@ -131,13 +140,14 @@ class Worker:
         ct2_dir: Path | None = None,
         steps: int = 1,
         sampling: dict | None = None,
+        int8: bool = False,
     ):
         """An lmops worker with `src` on its path; with `ct2_dir` (`convert_to_ctranslate2`), a
         CTranslate2 one."""
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, __file__, "--worker", str(model_dir), "--threads", str(threads)]
         cmd += ["--speculative", str(speculative), "--scheduler-steps", str(steps)]
-        cmd += ["--sampling-json", json.dumps(sampling or {})]
+        cmd += ["--sampling-json", json.dumps(sampling or {})] + ["--int8"] * int8
         if speculative and draft_dir is not None:
             cmd += ["--draft-dir", str(draft_dir)]
         if ct2_dir is not None:
@@ -243,6 +253,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         help="SamplingParams fields of every lmops request (temperature=0.8 top_p=0.95): "
         "sampled instead of greedy",
     )
+    ap.add_argument(
+        "--int8",
+        action="store_true",
+        help="int8 weights: every lmops engine with quantization=int8, CTranslate2 with its int8 compute type",
+    )
     ap.add_argument("--quick", action="store_true", help="2 rounds, 1 thread")
     ap.add_argument("--out", type=Path, default=RESULTS / "single-stream-cpu.json")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -251,7 +266,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--sampling-json", type=json.loads, default={}, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker and args.ctranslate2_dir:
-        return ctranslate2_worker(args.ctranslate2_dir, args.worker, args.threads[0], args.sampling_json)
+        return ctranslate2_worker(
+            args.ctranslate2_dir, args.worker, args.threads[0], args.sampling_json, args.int8
+        )
     if args.worker:
         return worker(
             args.worker,
@@ -260,6 +277,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             args.draft_dir,
             args.scheduler_steps,
             args.sampling_json,
+            args.int8,
         )
     if args.draft_model and not args.speculative:
         ap.error("--draft-model drafts --speculative K tokens a step: give K")
@@ -278,6 +296,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "draft_model": args.draft_model,
         "scheduler_steps": args.scheduler_steps,
         "sampling": sampling or "greedy",
+        "weights": "int8" if args.int8 else "float32",
         "cpu": cpu_description(),
         "model": str(args.model) if args.model else "random, default size",
         "prompts_from": str(args.prompts_from) if args.prompts_from else None,
@@ -310,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         res["by_threads"] = {}
         for threads in args.threads:
             workers = {
-                name: Worker(src, model_dir, threads, k, draft_dir, ct2, steps, sampling)
+                name: Worker(src, model_dir, threads, k, draft_dir, ct2, steps, sampling, args.int8)
                 for name, (src, k, ct2, steps) in sources.items()
             }
             runs: dict[str, list[dict]] = {name: [] for name in workers}
@@ -320,8 +339,10 @@ def main(argv: list[str] | None = None) -> dict | None:
                         runs[name].append(w.run(prompt, new) | {"prompt": k})
             for w in workers.values():
                 w.close()
+            # int8: each library its own quantization, so CTranslate2's tokens are its own.
+            compared = [r for name, r in runs.items() if not (args.int8 and name == "ctranslate2")]
             for k in range(len(prompts) if not sampling else 0):
-                tokens = [x["tokens"] for r in runs.values() for x in r if x["prompt"] == k]
+                tokens = [x["tokens"] for r in compared for x in r if x["prompt"] == k]
                 assert all(t == tokens[0] for t in tokens), f"the engines' greedy tokens differ on prompt {k}"
             for r in runs.values():
                 for x in r:
