@@ -137,9 +137,10 @@ class EngineConfig:
     # tokenizer.json) whose greedy tokens are the drafts instead of prompt lookup's; None:
     # prompt lookup. Needs num_speculative_tokens >= 1.
     speculative_model: str | None = None
-    # Multi-step decoding (vLLM's num_scheduler_steps): a lone greedy request runs this many
-    # decode steps in one compiled graph call, so the Python step around the graph is paid
-    # once for them (its tokens stream in runs of this many). CPU with `compile` only; 1: off.
+    # Multi-step decoding (vLLM's num_scheduler_steps): a lone request, greedy or sampled with
+    # temperature and the filters alone (`SamplingParams.graph_draw`), runs this many decode
+    # steps in one compiled graph call, so the Python step around the graph is paid once for
+    # them (its tokens stream in runs of this many). CPU with `compile` only; 1: off.
     num_scheduler_steps: int = 1
     # vLLM's: "fcfs" serves requests in arrival order; "priority" serves the lowest
     # `priority` first (ties by arrival) and preempts the highest when blocks run out.
