@@ -1,6 +1,6 @@
 """The training recipe (issue 32): the recipe before it (AdamW, warmup + cosine, no dropout,
 Llama's layout) against params.yaml's defaults and variants of them (Muon with cosine or
-wsd, an untied head, QK-norm or not), at equal steps, in the same run.
+wsd, an untied head, QK-norm or not, a ReLU² MLP), at equal steps, in the same run.
 
     python benchmarks/recipe.py [--steps 300] [--max-bytes 8000000] [--corpus stdlib|shakespeare]
         [--recipes NAME ...] [--muon-lr LR] [--other-muon-lrs LR ...] [--eval-interval 25] [--seed 1337]
@@ -60,6 +60,7 @@ def recipes(muon_lr: float, other_lrs: list[float]) -> dict[str, dict]:
         },
         "untied head": {"model": {"tie_embeddings": False}},
         "zero-init projections": {"ablation": "zero_init"},
+        "relu2 mlp": {"ablation": "relu2"},
         "qk-norm": {"model": {"qk_norm": True}},
         "llama layout": {"model": {"qk_norm": False}},
     }
@@ -123,7 +124,27 @@ def zero_init_projections() -> None:
     model.Llama.__init__ = patched
 
 
-ABLATIONS = {"none": lambda: None, "zero_init": zero_init_projections}
+def relu_squared_mlp() -> None:
+    """modded-nanogpt's and nanochat's MLP, down(relu(up(x))^2), in place of SwiGLU, at the same
+    parameters and compute: 1.5x the hidden width for two matrices instead of three (the layout
+    of transformers' ArceeMLP and ApertusMLP with hidden_act "relu2")."""
+    from lmops.runtime import model
+
+    def init(self, cfg):
+        torch.nn.Module.__init__(self)
+        hidden = cfg.intermediate_size * 3 // 2
+        self.up_proj = torch.nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.down_proj = torch.nn.Linear(hidden, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x):
+        y = self.down_proj(torch.relu(self.up_proj(x)).square())
+        return torch.nn.functional.dropout(y, self.dropout, self.training)
+
+    model.MLP.__init__, model.MLP.forward = init, forward
+
+
+ABLATIONS = {"none": lambda: None, "zero_init": zero_init_projections, "relu2": relu_squared_mlp}
 
 
 def worker(ablation: str) -> None:
