@@ -1,6 +1,7 @@
 """The training recipe (issue 32): the recipe before it (AdamW, warmup + cosine, no dropout,
-Llama's layout) against params.yaml's defaults and variants of them (Muon with cosine or
-wsd, an untied head, QK-norm or not, a ReLU² MLP), at equal steps, in the same run.
+Llama's layout, windows at random starts) against params.yaml's defaults and variants of
+them (Muon with cosine or wsd, an untied head, QK-norm or not, a ReLU² MLP, random
+windows), at equal steps, in the same run.
 
     python benchmarks/recipe.py [--steps 300] [--max-bytes 8000000] [--corpus stdlib|shakespeare]
         [--recipes NAME ...] [--muon-lr LR] [--other-muon-lrs LR ...] [--eval-interval 25] [--seed 1337]
@@ -50,6 +51,7 @@ def recipes(muon_lr: float, other_lrs: list[float]) -> dict[str, dict]:
         BASELINE: {
             "train": {"optimizer": "adamw", "lr_schedule": "cosine", "weight_decay": 0.1},
             "model": {"dropout": 0.0, "qk_norm": False},
+            "ablation": "random_windows",
         },
         "defaults": {},
         "muon + cosine": {"train": {**muon, "lr_schedule": "cosine"}},
@@ -61,6 +63,7 @@ def recipes(muon_lr: float, other_lrs: list[float]) -> dict[str, dict]:
         "untied head": {"model": {"tie_embeddings": False}},
         "zero-init projections": {"ablation": "zero_init"},
         "relu2 mlp": {"ablation": "relu2"},
+        "random windows": {"ablation": "random_windows"},
         "qk-norm": {"model": {"qk_norm": True}},
         "llama layout": {"model": {"qk_norm": False}},
     }
@@ -144,7 +147,30 @@ def relu_squared_mlp() -> None:
     model.MLP.__init__, model.MLP.forward = init, forward
 
 
-ABLATIONS = {"none": lambda: None, "zero_init": zero_init_projections, "relu2": relu_squared_mlp}
+def random_windows() -> None:
+    """The training windows before epochs (issue 32): each at a random start, drawn with
+    replacement, seeded by (seed, step, micro-step, rank); the worker's runs have one
+    process and no accumulation, so a batch's step is its first window over its size."""
+    import numpy as np
+
+    from lmops.pipeline import train
+
+    def batch(tokens, max_seq_len, size, seed, first, device):
+        rng = np.random.default_rng((seed, first // size, 0, 0))
+        starts = rng.integers(0, len(tokens) - max_seq_len - 1, size)
+        rows = np.stack([tokens[s : s + max_seq_len + 1].astype(np.int64) for s in starts])
+        xy = torch.from_numpy(rows).to(device)
+        return xy[:, :-1], xy[:, 1:]
+
+    train.batch = batch
+
+
+ABLATIONS = {
+    "none": lambda: None,
+    "zero_init": zero_init_projections,
+    "relu2": relu_squared_mlp,
+    "random_windows": random_windows,
+}
 
 
 def worker(ablation: str) -> None:

@@ -159,15 +159,34 @@ def test_auto_picks_cosine_for_a_run_too_short_for_wsd_and_a_choice_is_checked_a
         follow_the_data(odd, 1000)
 
 
-def test_batches_depend_only_on_their_seed():
+def test_batches_depend_only_on_their_seed_and_place():
     tokens = np.arange(1000, dtype=np.uint16)
-    x1, y1 = batch(tokens, 8, 4, (1, 5, 0, 0), "cpu")
-    x2, _ = batch(tokens, 8, 4, (1, 5, 0, 0), "cpu")
-    x3, _ = batch(tokens, 8, 4, (1, 5, 0, 1), "cpu")  # another rank
-    assert torch.equal(x1, x2) and not torch.equal(x1, x3)
+    x1, y1 = batch(tokens, 8, 4, 1, 20, "cpu")
+    x2, _ = batch(tokens, 8, 4, 1, 20, "cpu")
+    x3, _ = batch(tokens, 8, 4, 1, 24, "cpu")  # the next batch (another step, micro-step or rank)
+    x4, _ = batch(tokens, 8, 4, 2, 20, "cpu")  # another seed
+    assert torch.equal(x1, x2) and not torch.equal(x1, x3) and not torch.equal(x1, x4)
     assert torch.equal(y1, x1 + 1)
     with pytest.raises(LmopsError, match="fewer than model.max_seq_len"):
-        batch(tokens[:9], 8, 4, (0,), "cpu")
+        batch(tokens[:9], 8, 4, 0, 0, "cpu")
+
+
+@pytest.mark.parametrize("length", [12, 1000, 1003])
+def test_an_epoch_of_windows_makes_every_token_a_target_once(length):
+    """Without replacement: an epoch's windows tile the split from its offset, each token a
+    target once; each epoch is cut at an offset and ordered anew (a split of one window and
+    a bit too)."""
+    tokens = np.arange(length, dtype=np.uint16)  # a token is its position
+    per_epoch = max(1, (length - 1) // 8 - 1)
+    epochs = []
+    for epoch in range(6):
+        x, y = batch(tokens, 8, per_epoch, 7, epoch * per_epoch, "cpu")
+        starts = x[:, 0].tolist()
+        offset = min(starts)
+        assert offset < 8 and sorted(starts) == list(range(offset, offset + 8 * per_epoch, 8))
+        assert torch.equal(y, x + 1) and int(y.max()) < length
+        epochs.append(starts)
+    assert len({tuple(e) for e in epochs}) > 2
 
 
 def test_validation_scores_the_whole_split_when_it_fits_else_evenly_spread_windows():

@@ -2,12 +2,12 @@
 accumulation and clipping, bf16 autocast where the hardware has it, a compiled step, DDP
 under torchrun, checkpoints and exact resume.
 
-Determinism is by construction: the batch of (step, micro-step, rank) is drawn
-from an RNG seeded with exactly those numbers, so "data position" is just the
-step counter, and a run killed at any point and resumed from its last
-checkpoint replays the same batches and ends with the same weights (bit for bit
-on CPU, where torch's deterministic mode is on; on CUDA to rounding, since its
-attention backward and cuBLAS accumulate in no fixed order).
+Determinism is by construction: the windows of (step, micro-step, rank) are a pure
+function of the seed and those numbers (`batch`: each epoch a seeded permutation of the
+split's windows), so "data position" is just the step counter, and a run killed at any
+point and resumed from its last checkpoint replays the same batches and ends with the
+same weights (bit for bit on CPU, where torch's deterministic mode is on; on CUDA to
+rounding, since its attention backward and cuBLAS accumulate in no fixed order).
 
 Under the schedules whose learning rate does not depend on `max_steps` (plateau, and wsd
 before its cooldown), a checkpoint also resumes under another `max_steps`: a longer run
@@ -31,6 +31,7 @@ and `_checkpoint`; `_finish` exports and closes the MLflow run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -190,17 +191,35 @@ def plateau_lr(cfg: TrainConfig, decays: int) -> float:
 
 
 def batch(
-    tokens: Tokens | np.ndarray, max_seq_len: int, size: int, seed: tuple[int, ...], device
+    tokens: Tokens | np.ndarray, max_seq_len: int, size: int, seed: int, first: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`size` random windows of `max_seq_len` tokens and their next-token targets."""
+    """Windows `first` to `first + size - 1` of the run (`max_seq_len` tokens each) and their
+    next-token targets. The run reads the split epoch by epoch without replacement: each
+    epoch is a seeded permutation of its non-overlapping windows, cut from a seeded offset of
+    its own, so every token is a target once an epoch (random starts saw some text several
+    times and left a third of a one-epoch run's unseen: benchmarks/README.md, "The training
+    recipe")."""
     if len(tokens) <= max_seq_len + 1:
         raise LmopsError(
             f"split has {len(tokens)} tokens, fewer than model.max_seq_len + 2 = {max_seq_len + 2}"
         )
-    starts = np.random.default_rng(seed).integers(0, len(tokens) - max_seq_len - 1, size)
+    per_epoch = max(1, (len(tokens) - 1) // max_seq_len - 1)  # one spare: room for the offset
+    slack = min(max_seq_len - 1, len(tokens) - 1 - per_epoch * max_seq_len)
+    starts = []
+    for g in range(first, first + size):
+        epoch, k = divmod(g, per_epoch)
+        offset, order = _epoch_windows(seed, epoch, per_epoch, slack)
+        starts.append(offset + max_seq_len * int(order[k]))
     rows = np.stack([tokens[s : s + max_seq_len + 1].astype(np.int64) for s in starts])
     xy = torch.from_numpy(rows).to(device)
     return xy[:, :-1], xy[:, 1:]
+
+
+@functools.lru_cache(maxsize=2)  # a batch spans at most two epochs
+def _epoch_windows(seed: int, epoch: int, per_epoch: int, slack: int) -> tuple[int, np.ndarray]:
+    """An epoch's offset (0 to `slack`) and the order of its `per_epoch` windows."""
+    rng = np.random.default_rng((seed, epoch))
+    return int(rng.integers(0, slack + 1)), rng.permutation(per_epoch)
 
 
 def resolve_precision(name: str, device: torch.device) -> torch.dtype:
@@ -628,12 +647,9 @@ def _train_step(run: Run, step: int, lr: float) -> float:
         group["lr"] = lr * group["lr_scale"]  # Muon's peak is muon_lr (lmops.pipeline.optim)
     loss_sum = 0.0
     for micro in range(cfg.grad_accum_steps):
+        first = ((step * cfg.grad_accum_steps + micro) * ddp.world + ddp.rank) * cfg.batch_size
         x, y = batch(
-            run.train_tokens,
-            run.params.model.max_seq_len,
-            cfg.batch_size,
-            (cfg.seed, step, micro, ddp.rank),
-            run.device,
+            run.train_tokens, run.params.model.max_seq_len, cfg.batch_size, cfg.seed, first, run.device
         )
         sync = micro == cfg.grad_accum_steps - 1 or ddp.world == 1
         with contextlib.nullcontext() if sync else run.forward.no_sync(), run.autocast:
