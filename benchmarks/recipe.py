@@ -109,8 +109,8 @@ def train_and_score(work: Path, base: dict, overrides: dict) -> dict:
     return {"train_s": round(seconds, 1), "history": history, **json.loads((work / "bits.json").read_text())}
 
 
-# Architecture ablations (issue 32) that params.yaml does not offer: each patches lmops'
-# network in the worker alone, so nothing ships until it measures better.
+# Ablations (issue 32) that params.yaml does not offer: each patches lmops' network or its
+# batches in the worker alone, so nothing ships until it measures better.
 def zero_init_projections() -> None:
     """modded-nanogpt's zero-initialised output projections (o_proj, down_proj): every layer
     starts as the identity on the residual stream."""
