@@ -118,5 +118,8 @@ def test_guidellm_runs_both_formats_without_errors(open_server, model_dir, tmp_p
     run([str(guidellm), "run", "-c", "scenario.json", "--disable-console-interactive"], tmp_path)
     [benchmark] = json.loads((tmp_path / "report.json").read_text())["benchmarks"]
     totals = benchmark["metrics"]["request_totals"]
-    assert (totals["successful"], totals["errored"]) == (4, 0)
+    # guidellm 0.8.1 stops processing once its count of processed requests reaches max_requests,
+    # and on a loaded box its report has left out the last one the server answered (4 x 200 in
+    # the server's log, 3 successful in the report): no errors, and all but that one, counted.
+    assert totals["errored"] == totals["incomplete"] == 0 and totals["successful"] in (3, 4)
     assert benchmark["metrics"]["output_token_count"]["successful"]["total_sum"] > 0
