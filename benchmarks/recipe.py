@@ -157,10 +157,9 @@ def random_windows() -> None:
 
     def batch(tokens, max_seq_len, size, seed, first, device):
         rng = np.random.default_rng((seed, first // size, 0, 0))
-        starts = rng.integers(0, len(tokens) - max_seq_len - 1, size)
-        rows = np.stack([tokens[s : s + max_seq_len + 1].astype(np.int64) for s in starts])
-        xy = torch.from_numpy(rows).to(device)
-        return xy[:, :-1], xy[:, 1:]
+        return train.windows(
+            tokens, rng.integers(0, len(tokens) - max_seq_len - 1, size), max_seq_len, device
+        )
 
     train.batch = batch
 

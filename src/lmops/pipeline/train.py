@@ -210,6 +210,13 @@ def batch(
         epoch, k = divmod(g, per_epoch)
         offset, order = _epoch_windows(seed, epoch, per_epoch, slack)
         starts.append(offset + max_seq_len * int(order[k]))
+    return windows(tokens, starts, max_seq_len, device)
+
+
+def windows(
+    tokens: Tokens | np.ndarray, starts, max_seq_len: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windows of `max_seq_len` tokens at `starts`, and their next-token targets."""
     rows = np.stack([tokens[s : s + max_seq_len + 1].astype(np.int64) for s in starts])
     xy = torch.from_numpy(rows).to(device)
     return xy[:, :-1], xy[:, 1:]
