@@ -5,12 +5,13 @@ overhead; see benchmarks/README.md). With speculative decoding, a step whose dec
 carry drafts runs through graphs of 1 + K tokens a sequence the same way (each token sees
 its sequence's cache and, causally, the step's earlier tokens). With multi-step decoding
 (`num_scheduler_steps` S), a lone decode whose draw a graph can make (greedy, or sampled with
-temperature and the filters alone: `SamplingParams.graph_draw`) runs S steps in one graph,
-each step's token the next one's input (its
-argmax, or its draw: the sampler's filters and race, in the graph, from noise drawn before
-the call by the request's generator): one call, and one pass of the Python around it, for S
-tokens. A lone sampled decode of one step draws in the graph the same way (a graph of its
-own), so the sampler's dispatches leave the single stream's step too.
+temperature and the filters alone: `SamplingParams.graph_draw`) runs up to S steps in one
+graph call, each step's token the next one's input (its argmax, or its draw: the sampler's
+filters and race, in the graph, from noise drawn before the call by the request's
+generator): one call, and one pass of the Python around it, for up to S tokens. The steps
+are a loop inside the graph (`while_loop`), whose body is compiled once whatever S, and
+which runs any count up to S (a request's last few tokens too). A lone sampled decode of
+one step is such a run of one, so the sampler's dispatches leave the single stream's step.
 Any other step (prefills, mixed batches, more sequences than the largest size) takes the
 runner's eager path.
 
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch._higher_order_ops.while_loop import while_loop  # (imported by torch itself)
 
 import lmops
 from lmops import atomic
@@ -67,36 +69,37 @@ class DecodeAttention:
     that it traces): T is 1 for a plain decode, 1 + K for one verifying a K-token draft.
 
     It reads the pool but does not write it: each token attends to its sequence's cached
-    context and, causally, to the step's new K/V, which are collected in `new_kv` and
-    written by the caller after the graph (an in-graph write made inductor copy the whole
-    pool layer, every layer).
+    context (`gather`ed from the pool) and, causally, to the step's new K/V, which are
+    collected in `new_kv` and written by the caller after the graph (an in-graph write made
+    inductor copy the whole pool layer, every layer).
     """
 
     def __init__(
         self,
-        kv: torch.Tensor,
-        tables: torch.Tensor,
+        context: torch.Tensor,
         cached: torch.Tensor,
         groups: int,
-        earlier: list[torch.Tensor] | None = None,
+        ahead: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
-        """`cached` (B * T,): how many of its sequence's cached keys each row sees; `groups`
-        query heads share a KV head; `earlier` (multi-step, one sequence): each layer's K/V
-        of the tokens the graph's earlier steps computed, (2 * Hkv, steps, D), seen by every
-        row after the cache."""
-        self.kv, self.tables, self.earlier = kv, tables, earlier
+        """`context`: `gather`'s; `cached` (B * T,): how many of its sequence's cached keys each
+        row sees; `groups` query heads share a KV head; `ahead` (multi-step, one sequence of
+        one row): the K/V its run's steps have computed so far, (layers, 2 * Hkv, S, D), and
+        this step's index j (1,): the step writes its own K/V at row j and sees rows 0..j."""
+        self.context, self.ahead = context, ahead
         self.new_kv: list[torch.Tensor] = []
-        B = tables.shape[0]
+        B, width = context.shape[2:4]
         self.T = T = cached.shape[0] // B
-        width = tables.shape[1] * kv.shape[3]
-        steps = 0 if earlier is None else earlier[0].shape[1]
-        # (B, T, keys + steps + T): cached key j is visible iff j < the row's cached count;
-        # the earlier steps' keys always; the step's new key t to query i iff t <= i.
-        old = torch.arange(width, device=kv.device) < cached.view(B, T, 1)
-        before = torch.ones(B, T, steps, dtype=torch.bool, device=kv.device)
-        new = torch.ones(T, T, dtype=torch.bool, device=kv.device).tril().expand(B, T, T)
-        valid = torch.cat((old, before, new), 2)
-        rows = torch.zeros(valid.shape, dtype=kv.dtype, device=kv.device).masked_fill(~valid, float("-inf"))
+        device = context.device
+        # (B, T, keys + new keys): cached key k is visible iff k < the row's cached count; the
+        # step's new key t to query i iff t <= i (multi-step: the run's key t iff t <= j).
+        old = torch.arange(width, device=device) < cached.view(B, T, 1)
+        if ahead is None:
+            new = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
+        else:
+            buffer, j = ahead
+            new = (torch.arange(buffer.shape[2], device=device) <= j).view(1, 1, -1)
+        valid = torch.cat((old, new), 2)
+        rows = torch.zeros(valid.shape, dtype=context.dtype, device=device).masked_fill(~valid, float("-inf"))
         # The query rows are (head, token) pairs: each token's row, the same for its G heads.
         self.mask = rows[:, None].expand(B, groups, T, -1).reshape(1, B, groups * T, -1)
 
@@ -106,11 +109,11 @@ class DecodeAttention:
         T, Hkv = self.T, kv.shape[1] // 2
         B, G = rows // T, H // Hkv
         new = kv.transpose(0, 1)  # (2Hkv, B * T, D)
+        if self.ahead is not None:  # the run's K/V so far, with this step's at row j
+            buffer, j = self.ahead
+            new = buffer[layer].index_copy(1, j, new)
         self.new_kv.append(new)
-        ctx = self.kv[layer].index_select(1, self.tables.view(-1)).view(2 * Hkv, B, -1, D)
-        if self.earlier is not None:  # one sequence: its rows are the steps' tokens in order
-            new = torch.cat((self.earlier[layer], new), 1)
-        ctx = torch.cat((ctx, new.view(2 * Hkv, B, -1, D)), 2)
+        ctx = torch.cat((self.context[layer], new.view(2 * Hkv, B, -1, D)), 2)
         # (Hkv, B, G * T, D): the G query heads x T tokens that share a KV head.
         qg = q.view(B, T, Hkv, G, D).permute(2, 0, 3, 1, 4).reshape(Hkv, B, G * T, D)
         # Written out, not SDPA: with a few query rows a head, SDPA's flash kernel costs
@@ -121,14 +124,22 @@ class DecodeAttention:
         y = scores.softmax(-1) @ ctx[Hkv:]
         return y.view(Hkv, B, G, T, D).permute(1, 3, 0, 2, 4).reshape(rows, H, D)
 
+    @staticmethod
+    def gather(kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Every layer's cached K/V of B sequences from the pool (layers, 2 * Hkv, blocks,
+        block_size, D) by their block tables (B, width): (layers, 2 * Hkv, B, keys, D). Once
+        for a multi-step run, not once a step."""
+        L, H2, _, _, D = kv.shape
+        return kv.index_select(2, tables.view(-1)).view(L, H2, tables.shape[0], -1, D)
+
 
 class CompiledDecode:
     """Decode steps of up to `max(sizes)` sequences through per-size compiled graphs; with
     `num_speculative_tokens` K, also the steps that verify drafts (every sequence a decode
     with up to K draft tokens), through graphs of 1 + K tokens a sequence for the sizes of
     at most 16 tokens in all, so that single-stream speculative decoding runs compiled too;
-    a lone sampled decode through a graph that draws its token; with `scheduler_steps` S > 1,
-    also S steps of one sequence in one graph, greedy or sampled (a graph each)."""
+    a lone sampled decode through a run's graph that draws its tokens (up to S of them, with
+    `scheduler_steps` S > 1); and then a lone greedy decode's runs too."""
 
     def __init__(
         self,
@@ -166,7 +177,7 @@ class CompiledDecode:
         # (less per step at batch 1; benchmarks/README.md, "Inference engine").
         options = {"cpp_wrapper": True, "guard_filter_fn": lambda guards: [False] * len(guards)}
         one_step = torch.compile(self._eager_step, fullgraph=True, options=options)
-        multi_step = torch.compile(self._eager_steps, fullgraph=True, options=options)
+        run = torch.compile(self._eager_run, fullgraph=True, options=options)
         # (Imported here: torch._dynamo takes a second to import, which an engine that
         # does not compile need not pay.)
         from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -176,10 +187,10 @@ class CompiledDecode:
         shapes = [(b, 1) for b in self.sizes] + [(b, self.verify_len) for b in self.verify_sizes]
         self.scheduler_steps = scheduler_steps
         log.info(
-            "compiling decode for (batch size, tokens) %s%s (on 2 CPU cores: 40-70 s the first time, "
-            "2-3 s from %s after that; LMOPS_COMPILE=0 skips it)",
+            "compiling decode for (batch size, tokens) %s and runs of up to %d steps of one sequence "
+            "(on 2 CPU cores: 50-80 s the first time, 2-3 s from %s after that; LMOPS_COMPILE=0 skips it)",
             shapes,
-            f", one sampled step{f' and {scheduler_steps} steps' * (scheduler_steps > 1)} of one sequence",
+            scheduler_steps,
             self.cache_dir,
         )
         t = time.perf_counter()
@@ -187,12 +198,18 @@ class CompiledDecode:
             (b, n): self._load_or_compile(one_step, b, n, f"{key}-b{b}" + f"t{n}" * (n > 1))
             for b, n in shapes
         }
-        # A lone sequence's graphs that make its tokens, by (steps, sampled): one sampled step,
-        # and with multi-step decoding S steps greedy and sampled (one greedy step is `graphs`').
-        lone = [(1, True)] + [(scheduler_steps, s) for s in (False, True)] * (scheduler_steps > 1)
+        # A lone sequence's runs of up to S steps, by whether they draw (sampled) or take the
+        # argmax: a run of one sampled step too; greedy runs only with multi-step decoding
+        # (a lone greedy step is `graphs`' size 1).
         lone = {
-            (n, s): self._load_or_compile(multi_step, 1, n, f"{key}-b1s{n}" + "-sampled" * s, s)
-            for n, s in lone
+            s: self._load_or_compile(
+                run,
+                1,
+                scheduler_steps,
+                f"{key}-b1s{scheduler_steps}" + "-sampled" * s,
+                self._run_inputs(1, s),
+            )
+            for s in (True, False)[: 1 + (scheduler_steps > 1)]
         }
         # Kept on self only now: dynamo pickles what the traced method's `self` holds into a
         # graph's guards, and a compiled graph there cannot be pickled.
@@ -201,13 +218,15 @@ class CompiledDecode:
         log.info("compiled decode in %.1f s", self.compile_seconds)
 
     def _load_or_compile(
-        self, compiler, size: int, tokens: int, name: str, sampled: bool = False
+        self, compiler, size: int, tokens: int, name: str, extra: tuple = ()
     ) -> AOTCompiledFunction:
-        """`compiler`'s graph for `size` sequences of `tokens` rows (`sampled`: taking
-        `plain_draw_inputs` too) from the on-disk cache, else compiled and saved there.
+        """`compiler`'s graph for `size` sequences of `tokens` rows, taking `extra` inputs after
+        the step's (a run's step count and draw inputs: `_eager_run`) from the on-disk cache,
+        else compiled and saved there.
         aot_compile bypasses inductor's own cache (it compiled afresh, 30 s for the
         default model's 5 sizes, at every start); a saved graph loads in milliseconds."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
+        from torch._guards import TracingContext, tracing
 
         path = self.cache_dir / f"{name}.bin"
         if str(path) in _LOADED:
@@ -215,23 +234,24 @@ class CompiledDecode:
         step = None
         if path.is_file():
             try:
-                step = AOTCompiledFunction.deserialize(path.read_bytes())
+                # Inside a tracing context: a run's graph (while_loop) holds a guard on torch's
+                # pytree registry whose source registers itself with the current trace when
+                # unpickled (torch 2.13), and fails outside one. (No guard is checked: see below.)
+                with tracing(TracingContext(None)):
+                    step = AOTCompiledFunction.deserialize(path.read_bytes())
             except Exception as exc:  # e.g. truncated by a full disk: compile again
                 log.warning("compiled decode: ignoring unreadable cache %s: %s", path, exc)
         if step is None:
             meta, tables = self._inputs([], size, tokens)
-            sampling = (
-                plain_draw_inputs(SamplingParams(), None, tokens, self.vocab, self.device) if sampled else ()
-            )
             # Only the table width is symbolic. The rows and sequences are the size's own:
             # dynamo would make them symbolic from the second size on (it marks a dimension
             # dynamic once it has seen it change), and code for any number of rows is slower.
-            for x in (meta, *sampling):
+            for x in (meta, *extra):
                 torch._dynamo.mark_static(x)
             torch._dynamo.mark_static(tables, 0)
             torch._dynamo.mark_dynamic(tables, 1)
             with torch.inference_mode():
-                step = compiler.aot_compile(((meta, tables, *sampling), {}))
+                step = compiler.aot_compile(((meta, tables, *extra), {}))
             try:
                 atomic.write_bytes(path, AOTCompiledFunction.serialize(step).serialized_data)
             except OSError as exc:
@@ -246,48 +266,61 @@ class CompiledDecode:
         """Logits (B * T, vocab), their argmax (B * T,) (a greedy row's draw, without the
         sampler's dispatches), and the step's K/V of every layer, (layers, 2 * Hkv, B * T, D)."""
         groups = self.forward.n_head // self.forward.n_kv
-        attn = DecodeAttention(self.pool.kv, tables, meta[3], groups)
+        attn = DecodeAttention(DecodeAttention.gather(self.pool.kv, tables), meta[3], groups)
         logits = self.forward.logits(self.forward(meta[0], meta[1], attn))
         return logits, logits.argmax(-1), torch.stack(attn.new_kv)
 
-    def _eager_steps(
-        self, meta, tables, knobs=None, top_k=None, noise=None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Multi-step decoding: `meta.shape[1]` steps of one sequence, step j's input the
-        token of step j - 1 (meta's ids after the first are not read), each attending to the
-        cache and to the K/V of the steps before it. The token is the argmax, or with
-        `plain_draw_inputs` (knobs, top_k, noise) the draw from noise row j.
-        `_eager_step`'s outputs (the argmax's place taken by the tokens), a row a step."""
-        groups = self.forward.n_head // self.forward.n_kv
-        ids, earlier = meta[0, :1], None
-        logits, tokens = [], []
-        for j in range(meta.shape[1]):
-            attn = DecodeAttention(self.pool.kv, tables, meta[3, j : j + 1], groups, earlier)
-            logits.append(self.forward.logits(self.forward(ids, meta[1, j : j + 1], attn)))
+    def _eager_run(
+        self, meta, tables, steps, knobs=None, top_k=None, noise=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Multi-step decoding: `steps` (a tensor: up to `meta.shape[1]`, S) steps of one
+        sequence, a loop in the graph (`while_loop`: its body is compiled once, whatever S),
+        step j's input the token of step j - 1 (meta's ids after the first are not read). The
+        token is the argmax, or with `plain_draw_inputs` (knobs, top_k, noise) the draw from
+        noise row j. The run's tokens (S,) and K/V (layers, 2 * Hkv, S, D); rows from `steps`
+        on are not computed (zeros, and their slots in meta the scratch block's)."""
+        fw = self.forward
+        S, groups = meta.shape[1], fw.n_head // fw.n_kv
+        context = DecodeAttention.gather(self.pool.kv, tables)
+
+        def step(j, ids, ahead, tokens):
+            row = meta.index_select(1, j)  # (4, 1): this step's id (unread), position, slot, cached
+            attn = DecodeAttention(context, row[3], groups, (ahead, j))
+            logits = fw.logits(fw(ids, row[1], attn))
             ids = (
-                logits[-1].argmax(-1)
+                logits.argmax(-1)
                 if noise is None
-                else plain_draw(logits[-1], knobs, top_k, noise[j : j + 1])
+                else plain_draw(logits, knobs, top_k, noise.index_select(0, j))
             )
-            tokens.append(ids)
-            earlier = (
-                attn.new_kv
-                if earlier is None
-                else [torch.cat(p, 1) for p in zip(earlier, attn.new_kv, strict=True)]
-            )
-        return torch.cat(logits), torch.cat(tokens), torch.stack(earlier)
+            return j + 1, ids, torch.stack(attn.new_kv), tokens.index_copy(0, j, ids)
+
+        shape = (len(fw.layers), 2 * fw.n_kv, S, fw.head_dim)
+        start = (meta.new_zeros(1), meta[0, :1].clone(), self.pool.kv.new_zeros(shape), meta.new_zeros(S))
+        _, _, ahead, tokens = while_loop(lambda j, *_: j[0] < steps, step, start)
+        return tokens, ahead
+
+    def _run_inputs(self, steps: int, sampled: bool, seq: Sequence | None = None) -> tuple:
+        """What a run's graph reads after the step's inputs: its step count, and a sampled
+        run's `plain_draw_inputs` (`seq`'s; noise for `steps` draws, padded to S rows)."""
+        count = torch.tensor(steps, device=self.device)
+        if not sampled:
+            return (count,)
+        params, generator = (seq.params, seq.generator) if seq is not None else (SamplingParams(), None)
+        knobs, top_k, noise = plain_draw_inputs(params, generator, steps, self.vocab, self.device)
+        pad = noise.new_zeros(self.scheduler_steps - steps, self.vocab)
+        return count, knobs, top_k, torch.cat((noise, pad)) if steps < self.scheduler_steps else noise
 
     def _run(
-        self, seqs: list[Sequence], graph, size: int, tokens: int, sampling: tuple = ()
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`graph` (of `size` sequences, `tokens` rows each) on `seqs`, padded: logits and
-        tokens of every row; the step's K/V written into the pool."""
+        self, seqs: list[Sequence], graph, size: int, tokens: int, extra: tuple = ()
+    ) -> list[torch.Tensor]:
+        """`graph` (of `size` sequences, `tokens` rows each) on `seqs`, padded: its outputs but
+        the last, the K/V of every row, which is written into the pool."""
         meta, tables = self._inputs(seqs, size, tokens)
-        logits, drawn, new_kv = graph(self, meta, tables, *sampling)
+        *outputs, new_kv = graph(self, meta, tables, *extra)
         kv = self.pool.kv
         L, H2, nb, bs, D = kv.shape
         kv.view(L, H2, nb * bs, D).index_copy_(2, meta[2], new_kv)
-        return logits, drawn
+        return outputs
 
     def _inputs(self, seqs: list[Sequence], size: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(4, size * tokens): ids, positions, slots and cached keys seen, `tokens` rows a
@@ -318,24 +351,22 @@ class CompiledDecode:
 
     def run(
         self, seqs: list[Sequence], num_new: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """If this is a step it serves (every sequence a decode, with or without a draft):
         logits, one row per sequence and draft token, in the runner's order (a sequence's
-        draft or lookahead rows first, as RunnerOutput), and each row's token where the graph
-        made every row's (plain greedy rows: the argmax; a lone `graph_draw` sequence: its
-        draws), else None in its place; None if it does not serve the step."""
+        draft rows first, as RunnerOutput), and each row's token where the graph made every
+        row's (plain greedy rows: the argmax), else None in its place; for a lone
+        `graph_draw` sequence's run, no logits (None) and its tokens (its lookahead's first,
+        as RunnerOutput); None if it does not serve the step."""
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):
             return None
         seq = seqs[0]
         steps, sampled = 1 + seq.lookahead, not seq.params.greedy
         # A lookahead is the scheduler's for a lone sequence that `graph_draws` only.
         if seq.lookahead or (len(seqs) == 1 and num_new == [1] and sampled and seq.graph_draws):
-            inputs = (
-                plain_draw_inputs(seq.params, seq.generator, steps, self.vocab, self.device)
-                if sampled
-                else ()
-            )
-            return self._run(seqs, self._lone[steps, sampled], 1, steps, inputs)
+            extra = self._run_inputs(steps, sampled, seq)
+            (tokens,) = self._run(seqs, self._lone[sampled], 1, self.scheduler_steps, extra)
+            return None, tokens[:steps]
         tokens = 1 if all(n == 1 for n in num_new) else self.verify_len
         sizes = self.sizes if tokens == 1 else self.verify_sizes
         if not sizes or len(seqs) > sizes[-1] or max(num_new) > tokens:

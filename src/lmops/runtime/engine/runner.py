@@ -49,7 +49,7 @@ class RunnerOutput:
     `batch.ready` order; a drafted one's draft rows first, a multi-step one's lookahead rows
     first), and the prompt positions scored (drift signal, prompt_logprobs)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None: a compiled run of one sequence, which keeps its tokens only
     prompt_scores: list[PromptScores]
     # Each row's token, where the compiled graph made every row's: the logits' argmax (plain
     # greedy rows), or a lone sampled sequence's draws.

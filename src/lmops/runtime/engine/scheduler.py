@@ -19,9 +19,9 @@ sampling.py's `speculative_sample`).
 
 With `num_scheduler_steps` S (vLLM's multi-step scheduling), a lone decode whose draw a
 graph can make (`SamplingParams.graph_draw`: greedy, or sampled with temperature and the
-filters alone) gets a lookahead of S - 1 tokens: the
+filters alone) gets a lookahead of up to S - 1 tokens: the
 compiled graph generates them after its next token, each step's token (argmax or draw) the
-next one's input, so one step of the engine makes S tokens (compiled.py).
+next one's input, so one step of the engine makes up to S tokens (compiled.py).
 
 `update` is the step's other half: it applies what the runner computed and the sampler
 drew (tokens appended, prompt scores recorded, rejected draft tokens rolled back, finished
@@ -203,20 +203,17 @@ class Scheduler:
         return draft
 
     def _lookahead(self, seq: Sequence, room: int) -> int:
-        """`num_scheduler_steps` - 1 for a decode that is the only sequence, nothing waiting
-        (a newcomer would wait for the whole run of steps), a draw the graph can make
+        """Up to `num_scheduler_steps` - 1 for a decode that is the only sequence, nothing
+        waiting (a newcomer would wait for the whole run of steps), a draw the graph can make
         (`SamplingParams.graph_draw`: a penalised, biased, masked or logprobs row, or top_p
-        over the whole vocabulary, needs the eager sampler between steps),
-        within `room`, the request's max_tokens and the free blocks; else 0. All or nothing:
-        the graph runs S steps."""
-        k = self.num_scheduler_steps - 1
+        over the whole vocabulary, needs the eager sampler between steps): as many as `room`,
+        the request's max_tokens and the free blocks allow (the graph's loop runs any count)."""
+        k = min(self.num_scheduler_steps - 1, room, seq.request.max_tokens - seq.num_output_tokens - 1)
         alone = len(self.running) == 1 and not self.waiting and not seq.pending_forks
-        if not k or not alone or not seq.graph_draws:
+        if k <= 0 or not alone or not seq.graph_draws:
             return 0
-        if k > min(room, seq.request.max_tokens - seq.num_output_tokens - 1):
-            return 0
-        if self.bm.num_new_blocks(seq, seq.num_tokens + k) > self.bm.num_free_blocks:
-            return 0
+        while k and self.bm.num_new_blocks(seq, seq.num_tokens + k) > self.bm.num_free_blocks:
+            k -= 1
         return k
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
