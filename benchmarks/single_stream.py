@@ -19,8 +19,9 @@ adds a third worker: the engine as it is with `num_speculative_tokens=K` (and it
 acceptance rate: accepted / drafted tokens); with `--draft-model` its drafts come from a draft
 model instead of prompt lookup: `target` (the benchmark's model as its own draft: every
 draft kept, so it measures what drafting costs) or `tiny` (a random tiny model with the same
-tokenizer: nearly every draft rejected). `--scheduler-steps S` adds the engine as it is with
-multi-step decoding (`num_scheduler_steps=S`: S steps a graph call). `--ctranslate2` adds CTranslate2's Generator
+tokenizer: nearly every draft rejected). Each engine runs with its own defaults (the engine as
+it is: multi-step decoding, 8 steps a graph call); `--scheduler-steps S` adds the engine as it is
+with `num_scheduler_steps=S` (1: one step a call). `--ctranslate2` adds CTranslate2's Generator
 on the same model (fp32, converted by its own Transformers converter; through
 `generate_tokens`). Every worker's greedy tokens must be the baseline's. `--sampling
 temperature=0.8 top_p=0.95 ...` makes every request a sampled one with those
@@ -52,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The engine before issue 34 (the four-verb step, one forward, the latency work).
 BASELINE = "6045f25"
 PROMPT_LEN = 128
-ENGINES = ("baseline", "now", "multi-step", "speculative", "ctranslate2")
+ENGINES = ("baseline", "now", "scheduler-steps", "speculative", "ctranslate2")
 
 
 def worker(
@@ -60,12 +61,13 @@ def worker(
     threads: int,
     speculative: int,
     draft_dir: Path | None,
-    steps: int,
+    steps: int | None,
     sampling: dict,
     int8: bool,
 ) -> None:
     """Serve requests from stdin (one JSON line: prompt ids and new tokens), answer one JSON
-    line each; greedy, or `sampling`'s SamplingParams fields; `int8`: int8 weights."""
+    line each; greedy, or `sampling`'s SamplingParams fields; `int8`: int8 weights; `steps`:
+    num_scheduler_steps (None: the engine's default)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -74,7 +76,7 @@ def worker(
     spec = {"num_speculative_tokens": speculative} if speculative else {}
     if draft_dir is not None:
         spec["speculative_model"] = str(draft_dir)
-    if steps > 1:
+    if steps is not None:
         spec["num_scheduler_steps"] = steps
     if int8:
         spec["quantization"] = "int8"
@@ -138,7 +140,7 @@ class Worker:
         speculative: int,
         draft_dir: Path | None,
         ct2_dir: Path | None = None,
-        steps: int = 1,
+        steps: int | None = None,
         sampling: dict | None = None,
         int8: bool = False,
     ):
@@ -146,7 +148,7 @@ class Worker:
         CTranslate2 one."""
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, __file__, "--worker", str(model_dir), "--threads", str(threads)]
-        cmd += ["--speculative", str(speculative), "--scheduler-steps", str(steps)]
+        cmd += ["--speculative", str(speculative)] + ["--scheduler-steps", str(steps)] * (steps is not None)
         cmd += ["--sampling-json", json.dumps(sampling or {})] + ["--int8"] * int8
         if speculative and draft_dir is not None:
             cmd += ["--draft-dir", str(draft_dir)]
@@ -222,8 +224,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument(
         "--scheduler-steps",
         type=int,
-        default=1,
-        help="also the engine with multi-step decoding of this many steps",
+        help="also the engine with num_scheduler_steps of this many steps (1: one step a call)",
     )
     ap.add_argument(
         "--draft-model",
@@ -314,18 +315,18 @@ def main(argv: list[str] | None = None) -> dict | None:
         draft_dir = {"target": model_dir, None: None}.get(args.draft_model)
         if args.draft_model == "tiny":
             draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE, qk_norm=False)
-        # name -> (lmops source, draft tokens, a CTranslate2 model, scheduler steps)
+        # name -> (lmops source, draft tokens, a CTranslate2 model, scheduler steps: None, the default)
         sources = {
-            "baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0, None, 1),
-            "now": (REPO / "src", 0, None, 1),
+            "baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0, None, None),
+            "now": (REPO / "src", 0, None, None),
         }
-        if args.scheduler_steps > 1:
-            sources["multi-step"] = (REPO / "src", 0, None, args.scheduler_steps)
+        if args.scheduler_steps is not None:
+            sources["scheduler-steps"] = (REPO / "src", 0, None, args.scheduler_steps)
         if args.speculative:
-            sources["speculative"] = (REPO / "src", args.speculative, None, 1)
+            sources["speculative"] = (REPO / "src", args.speculative, None, None)
         if args.ctranslate2:
             ct2_dir = convert_to_ctranslate2(model_dir, Path(tmp) / "ct2")
-            sources["ctranslate2"] = (REPO / "src", 0, ct2_dir, 1)
+            sources["ctranslate2"] = (REPO / "src", 0, ct2_dir, None)
         res["by_threads"] = {}
         for threads in args.threads:
             workers = {

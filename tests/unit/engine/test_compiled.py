@@ -31,8 +31,12 @@ def test_lmops_compile_env_sets_the_default(monkeypatch):
 
 @pytest.fixture(scope="module")
 def compiled_engine(model_dir):
-    """max_num_seqs 3: batch sizes 1, 2 and 4, so a 3-sequence step is padded."""
-    return LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=True)
+    """max_num_seqs 3: batch sizes 1, 2 and 4, so a 3-sequence step is padded. One step a
+    call, so that a lone decode takes the size-1 graph too (multi-step's runs, on by default,
+    have their own fixture: `multi_step_engine`)."""
+    return LLMEngine.from_pretrained(
+        model_dir, device="cpu", max_num_seqs=3, compile=True, num_scheduler_steps=1
+    )
 
 
 def test_compiled_greedy_matches_eager(model_dir, compiled_engine, prompts, all_blocks_free):

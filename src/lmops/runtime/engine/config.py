@@ -138,10 +138,12 @@ class EngineConfig:
     # prompt lookup. Needs num_speculative_tokens >= 1.
     speculative_model: str | None = None
     # Multi-step decoding (vLLM's num_scheduler_steps): a lone request, greedy or sampled with
-    # temperature and the filters alone (`SamplingParams.graph_draw`), runs this many decode
-    # steps in one compiled graph call, so the Python step around the graph is paid once for
-    # them (its tokens stream in runs of this many). CPU with `compile` only; 1: off.
-    num_scheduler_steps: int = 1
+    # temperature and the filters alone (`SamplingParams.graph_draw`), runs up to this many
+    # decode steps in one compiled graph call, so the Python step around the graph is paid
+    # once for them (its tokens stream in runs of up to this many, and a newcomer waits for
+    # the run: a few ms). On by default, unlike vLLM: on CPU it is what brings one stream level
+    # with CTranslate2 (benchmarks/README.md, "Single stream"). CPU with `compile` only; 1: off.
+    num_scheduler_steps: int = 8
     # vLLM's: "fcfs" serves requests in arrival order; "priority" serves the lowest
     # `priority` first (ties by arrival) and preempts the highest when blocks run out.
     scheduling_policy: str = "fcfs"
