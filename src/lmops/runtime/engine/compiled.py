@@ -209,7 +209,7 @@ class CompiledDecode:
                 f"{key}-b1s{scheduler_steps}" + "-sampled" * s,
                 self._run_inputs(1, s),
             )
-            for s in (True, False)[: 1 + (scheduler_steps > 1)]
+            for s in ([True, False] if scheduler_steps > 1 else [True])
         }
         # Kept on self only now: dynamo pickles what the traced method's `self` holds into a
         # graph's guards, and a compiled graph there cannot be pickled.
@@ -307,8 +307,9 @@ class CompiledDecode:
             return (count,)
         params, generator = (seq.params, seq.generator) if seq is not None else (SamplingParams(), None)
         knobs, top_k, noise = plain_draw_inputs(params, generator, steps, self.vocab, self.device)
-        pad = noise.new_zeros(self.scheduler_steps - steps, self.vocab)
-        return count, knobs, top_k, torch.cat((noise, pad)) if steps < self.scheduler_steps else noise
+        if steps < self.scheduler_steps:
+            noise = torch.cat((noise, noise.new_zeros(self.scheduler_steps - steps, self.vocab)))
+        return count, knobs, top_k, noise
 
     def _run(
         self, seqs: list[Sequence], graph, size: int, tokens: int, extra: tuple = ()
