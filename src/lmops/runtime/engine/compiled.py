@@ -188,7 +188,7 @@ class CompiledDecode:
         self.scheduler_steps = scheduler_steps
         log.info(
             "compiling decode for (batch size, tokens) %s and runs of up to %d steps of one sequence "
-            "(on 2 CPU cores: 50-80 s the first time, 2-3 s from %s after that; LMOPS_COMPILE=0 skips it)",
+            "(on 2 CPU cores: 50-90 s the first time, 2-3 s from %s after that; LMOPS_COMPILE=0 skips it)",
             shapes,
             scheduler_steps,
             self.cache_dir,
@@ -278,7 +278,8 @@ class CompiledDecode:
         step j's input the token of step j - 1 (meta's ids after the first are not read). The
         token is the argmax, or with `plain_draw_inputs` (knobs, top_k, noise) the draw from
         noise row j. The run's tokens (S,) and K/V (layers, 2 * Hkv, S, D); rows from `steps`
-        on are not computed (zeros, and their slots in meta the scratch block's)."""
+        on are not computed (zeros, and their slots in meta the scratch block's; their noise
+        is not read)."""
         fw = self.forward
         S, groups = meta.shape[1], fw.n_head // fw.n_kv
         context = DecodeAttention.gather(self.pool.kv, tables)
@@ -301,15 +302,14 @@ class CompiledDecode:
 
     def _run_inputs(self, steps: int, sampled: bool, seq: Sequence | None = None) -> tuple:
         """What a run's graph reads after the step's inputs: its step count, and a sampled
-        run's `plain_draw_inputs` (`seq`'s; noise for `steps` draws, padded to S rows)."""
+        run's `plain_draw_inputs` (`seq`'s; noise for `steps` draws in the graph's S rows)."""
         count = torch.tensor(steps, device=self.device)
         if not sampled:
             return (count,)
         params, generator = (seq.params, seq.generator) if seq is not None else (SamplingParams(), None)
-        knobs, top_k, noise = plain_draw_inputs(params, generator, steps, self.vocab, self.device)
-        if steps < self.scheduler_steps:
-            noise = torch.cat((noise, noise.new_zeros(self.scheduler_steps - steps, self.vocab)))
-        return count, knobs, top_k, noise
+        return count, *plain_draw_inputs(
+            params, generator, steps, self.vocab, self.device, self.scheduler_steps
+        )
 
     def _run(
         self, seqs: list[Sequence], graph, size: int, tokens: int, extra: tuple = ()

@@ -459,15 +459,22 @@ def exponential_race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def plain_draw_inputs(
-    params: SamplingParams, generator: torch.Generator | None, steps: int, vocab: int, device
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    steps: int,
+    vocab: int,
+    device,
+    rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What `plain_draw` reads for `steps` draws of a `graph_draw` sampled request: (1, 3) its
-    temperature, top_p and min_p; (1, 1) its top_k (the vocabulary: no limit); (steps, vocab)
-    uniform noise from its generator, the numbers `race` draws over as many steps."""
+    temperature, top_p and min_p; (1, 1) its top_k (the vocabulary: no limit); (rows, vocab)
+    noise (`rows` default `steps`), its first `steps` rows uniform from its generator, the
+    numbers `race` draws over as many steps (the rest unset: a shorter run never reads them)."""
     top_k = params.top_k if 0 < params.top_k < vocab else vocab
     knobs = torch.tensor([[params.temperature, params.top_p, params.min_p]], device=device)
-    noise = torch.empty(steps, vocab, device=device)
-    return knobs, torch.tensor([[top_k]], device=device), noise.uniform_(generator=generator)
+    noise = torch.empty(rows or steps, vocab, device=device)
+    noise[:steps].uniform_(generator=generator)
+    return knobs, torch.tensor([[top_k]], device=device), noise
 
 
 def plain_draw(
