@@ -23,7 +23,13 @@ tokenizer: nearly every draft rejected). Each engine runs with its own defaults 
 it is: multi-step decoding, 8 steps a graph call); `--scheduler-steps S` adds the engine as it is
 with `num_scheduler_steps=S` (1: one step a call). `--ctranslate2` adds CTranslate2's Generator
 on the same model (fp32, converted by its own Transformers converter; through
-`generate_tokens`). Every worker's greedy tokens must be the baseline's. `--sampling
+`generate_tokens`) twice, once with each of its CPU GEMM backends: Intel MKL
+(`ctranslate2-mkl`, its default on Intel CPUs) and oneDNN (`ctranslate2-dnnl`, its default on
+others), chosen by its `CT2_USE_MKL`. Neither is best everywhere (on a 2-core Xeon, MKL runs 2
+threads at a seventh of its 1-thread speed and oneDNN does not), so each lmops engine is also
+given against CTranslate2's best backend at that thread count (`vs_ctranslate2`: the ratio of
+median tok/s, and per request, paired with the same request's run). Every worker's greedy
+tokens must be the baseline's. `--sampling
 temperature=0.8 top_p=0.95 ...` makes every request a sampled one with those
 SamplingParams fields (CTranslate2's: temperature, top_k and top_p; the same count of
 tokens, each engine's own draws, not compared). `--int8` gives every engine int8 weights
@@ -53,7 +59,9 @@ REPO = Path(__file__).resolve().parents[1]
 # The engine before issue 34 (the four-verb step, one forward, the latency work).
 BASELINE = "6045f25"
 PROMPT_LEN = 128
-ENGINES = ("baseline", "now", "scheduler-steps", "speculative", "ctranslate2")
+# CTranslate2's CPU GEMM backends, as its CT2_USE_MKL chooses them.
+CT2_BACKENDS = {"ctranslate2-mkl": "1", "ctranslate2-dnnl": "0"}
+ENGINES = ("baseline", "now", "scheduler-steps", "speculative", *CT2_BACKENDS)
 
 
 def worker(
@@ -143,10 +151,13 @@ class Worker:
         steps: int | None = None,
         sampling: dict | None = None,
         int8: bool = False,
+        use_mkl: str | None = None,
     ):
         """An lmops worker with `src` on its path; with `ct2_dir` (`convert_to_ctranslate2`), a
-        CTranslate2 one."""
+        CTranslate2 one, on MKL (`use_mkl` "1") or oneDNN ("0")."""
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
+        if use_mkl is not None:
+            env["CT2_USE_MKL"] = use_mkl
         cmd = [sys.executable, __file__, "--worker", str(model_dir), "--threads", str(threads)]
         cmd += ["--speculative", str(speculative)] + ["--scheduler-steps", str(steps)] * (steps is not None)
         cmd += ["--sampling-json", json.dumps(sampling or {})] + ["--int8"] * int8
@@ -198,19 +209,42 @@ def checkout(rev: str, into: Path) -> Path:
     return into / "src"
 
 
+def vs_ctranslate2(row: dict) -> dict:
+    """Each lmops engine of a thread count's `row` against CTranslate2's best backend there
+    (the higher median decode tok/s): the ratio of medians, and the median, lowest and highest
+    of the per-request ratios (each run paired with that backend's run of the same request)."""
+    best = max((n for n in CT2_BACKENDS if n in row), key=lambda n: row[n]["decode_tok_s"], default=None)
+    if best is None:
+        return {}
+    out = {"best": best}
+    for name in (n for n in ENGINES if n in row and n not in CT2_BACKENDS):
+        pairs = zip(row[name]["runs"], row[best]["runs"], strict=True)
+        ratios = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in pairs]
+        out[name] = {
+            "ratio_of_medians": row[name]["decode_tok_s"] / row[best]["decode_tok_s"],
+            "per_request": [statistics.median(ratios), min(ratios), max(ratios)],
+        }
+    return out
+
+
 def table(r: dict) -> str:
     lines = [
-        "| threads | engine | decode tok/s (wall) | vs baseline | decode tok/s (CPU time) | vs baseline | TTFT ms |",
-        "|---|---|---|---|---|---|---|",
+        "| threads | engine | decode tok/s (wall) | vs baseline | decode tok/s (CPU time) | vs baseline "
+        "| vs CTranslate2's best (per request: median, range) | TTFT ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for t, row in r["by_threads"].items():
-        base = row["baseline"]
+        base, ct2 = row["baseline"], row.get("vs_ctranslate2", {})
         for name in (n for n in ENGINES if n in row):
             x = row[name]
+            vs = "best" if name == ct2.get("best") else "-"
+            if name in ct2:
+                mid, lo, hi = ct2[name]["per_request"]
+                vs = f"{ct2[name]['ratio_of_medians']:.2f}x ({mid:.2f}x, {lo:.2f}x-{hi:.2f}x)"
             lines.append(
                 f"| {t} | {name} | {x['decode_tok_s']:.0f} | {x['decode_tok_s'] / base['decode_tok_s']:.2f}x "
                 f"| {x['decode_cpu_tok_s']:.0f} | {x['decode_cpu_tok_s'] / base['decode_cpu_tok_s']:.2f}x "
-                f"| {x['ttft_ms']:.1f} |"
+                f"| {vs} | {x['ttft_ms']:.1f} |"
             )
     return "\n".join(lines)
 
@@ -315,23 +349,25 @@ def main(argv: list[str] | None = None) -> dict | None:
         draft_dir = {"target": model_dir, None: None}.get(args.draft_model)
         if args.draft_model == "tiny":
             draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE, qk_norm=False)
-        # name -> (lmops source, draft tokens, a CTranslate2 model, scheduler steps: None, the default)
+        # name -> (lmops source, draft tokens, scheduler steps (None: the default), a CTranslate2
+        # model and its CT2_USE_MKL)
         sources = {
-            "baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0, None, None),
-            "now": (REPO / "src", 0, None, None),
+            "baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0, None, None, None),
+            "now": (REPO / "src", 0, None, None, None),
         }
         if args.scheduler_steps is not None:
-            sources["scheduler-steps"] = (REPO / "src", 0, None, args.scheduler_steps)
+            sources["scheduler-steps"] = (REPO / "src", 0, args.scheduler_steps, None, None)
         if args.speculative:
-            sources["speculative"] = (REPO / "src", args.speculative, None, None)
+            sources["speculative"] = (REPO / "src", args.speculative, None, None, None)
         if args.ctranslate2:
             ct2_dir = convert_to_ctranslate2(model_dir, Path(tmp) / "ct2")
-            sources["ctranslate2"] = (REPO / "src", 0, ct2_dir, None)
+            for name, use_mkl in CT2_BACKENDS.items():
+                sources[name] = (REPO / "src", 0, None, ct2_dir, use_mkl)
         res["by_threads"] = {}
         for threads in args.threads:
             workers = {
-                name: Worker(src, model_dir, threads, k, draft_dir, ct2, steps, sampling, args.int8)
-                for name, (src, k, ct2, steps) in sources.items()
+                name: Worker(src, model_dir, threads, k, draft_dir, ct2, steps, sampling, args.int8, use_mkl)
+                for name, (src, k, steps, ct2, use_mkl) in sources.items()
             }
             runs: dict[str, list[dict]] = {name: [] for name in workers}
             for _ in range(args.rounds):
@@ -341,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             for w in workers.values():
                 w.close()
             # int8: each library its own quantization, so CTranslate2's tokens are its own.
-            compared = [r for name, r in runs.items() if not (args.int8 and name == "ctranslate2")]
+            compared = [r for name, r in runs.items() if not (args.int8 and name in CT2_BACKENDS)]
             for k in range(len(prompts) if not sampling else 0):
                 tokens = [x["tokens"] for r in compared for x in r if x["prompt"] == k]
                 assert all(t == tokens[0] for t in tokens), f"the engines' greedy tokens differ on prompt {k}"
@@ -352,6 +388,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             for name, r in runs.items():
                 medians = {key: statistics.median(x[key] for x in r) for key in r[0] if key != "prompt"}
                 row[name] = medians | {"runs": r}
+            row["vs_ctranslate2"] = vs_ctranslate2(row)
             res["by_threads"][str(threads)] = row
     res["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     print(table(res))
