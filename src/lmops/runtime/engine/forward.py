@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from lmops.runtime.hugepages import move_to_huge_pages
 from lmops.runtime.model import Llama, inv_rms, rms_norm, rope_cos_sin
 
 # Below this many rows a compiled CPU graph computes its float32 projections itself (`linear`);
@@ -36,7 +37,8 @@ class FusedForward:
     The fused weights are built once, and the model's own q/k/v and gate/up parameters
     are re-pointed to views of them: no second copy of the weights, and model.py's
     forward (used by references and tests) keeps working on the same numbers. (Those
-    views share storage, so save such a model with `.clone()`d tensors, not directly.)
+    views share storage, so save such a model with `.clone()`d tensors, not directly.) On
+    CPU every tensor a step reads then moves onto huge pages (lmops.runtime.hugepages).
     """
 
     def __init__(self, model: Llama):
@@ -71,6 +73,9 @@ class FusedForward:
         half = cfg.head_dim // 2
         self.cos = cos  # (max_len, D) float32
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), 1)
+        if device.type == "cpu":  # every tensor a step reads, the model's own included
+            weights = [t for layer in self.layers for w in layer for t in _tensors(w)]
+            move_to_huge_pages([*model.parameters(), *weights, *self.qk_norms, self.cos, self.sin_signed])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attend) -> torch.Tensor:
         """(T,) ids and positions -> (T, n_embd) hidden states (before the final norm)."""
@@ -140,6 +145,13 @@ def _row_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     over the weight (one sum over a (rows, out, in) product loops over it once a row: 1.6x
     slower at 5 rows)."""
     return torch.cat([(x[r : r + 1, None, :] * w).sum(-1) for r in range(x.shape[0])])
+
+
+def _tensors(w) -> list[torch.Tensor]:
+    """A weight's tensors: itself, or a quantize.Int8Weight's (its int8 rows and scales)."""
+    if isinstance(w, torch.Tensor):
+        return [w]
+    return [t for t in vars(w).values() if isinstance(t, torch.Tensor)]
 
 
 def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:

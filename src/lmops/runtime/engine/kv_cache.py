@@ -21,6 +21,7 @@ cleared; the engine publishes them after each step.
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ from lmops.runtime.engine.kv_events import (
     KVCacheEvent,
     external_hash,
 )
+from lmops.runtime.hugepages import huge_page_zeros
 from lmops.runtime.model_config import LlamaConfig
 
 if TYPE_CHECKING:
@@ -49,7 +51,10 @@ class KVPool:
     def __init__(self, cfg: LlamaConfig, num_blocks: int, block_size: int, device, dtype):
         shape = (cfg.n_layer, 2 * cfg.n_kv_heads, num_blocks, block_size, cfg.head_dim)
         # Zeros, not empty: padded attention reads unused slots, which must be finite.
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        if torch.device(device).type == "cpu":  # a step gathers blocks from all over it
+            self.kv = huge_page_zeros(math.prod(shape), dtype).view(shape)
+        else:
+            self.kv = torch.zeros(shape, device=device, dtype=dtype)
         self.k, self.v = self.kv[:, : cfg.n_kv_heads], self.kv[:, cfg.n_kv_heads :]
         self.num_blocks, self.block_size = num_blocks, block_size
 
