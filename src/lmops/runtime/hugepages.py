@@ -13,6 +13,7 @@ advice, or THP is off, that memory is on ordinary pages and nothing else changes
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import torch
@@ -65,7 +66,7 @@ def _huge_page_memory(nbytes: int) -> tuple[mmap.mmap, int]:
     shmem, which THP backs only where its own setting, shmem_enabled, says so.)"""
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
     memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    with contextlib.suppress(AttributeError, OSError):  # not Linux; a kernel without THP: EINVAL
         memory.madvise(mmap.MADV_HUGEPAGE)
     address = torch.frombuffer(memory, dtype=torch.uint8, count=1).data_ptr()
     return memory, -address % HUGE_PAGE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -98,3 +99,14 @@ def test_the_engine_reads_its_weights_and_pool_from_huge_pages(model_dir):
     assert kv.data_ptr() % HUGE_PAGE == 0
     out = engine.generate([[5, 17, 99]], SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].token_ids) == 4
+
+
+def test_a_kernel_without_huge_pages_gives_ordinary_memory(monkeypatch):
+    """madvise fails with EINVAL on a kernel built without THP (here: an advice no kernel
+    knows, so the real call fails): the memory is still there, on ordinary pages."""
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF)
+    with pytest.raises(OSError):
+        mmap.mmap(-1, 4096).madvise(mmap.MADV_HUGEPAGE)
+    z = huge_page_zeros(1000, torch.float32)
+    z.fill_(2.0)
+    assert z.sum() == 2000.0
