@@ -343,8 +343,11 @@ def workload_c(model_dir: Path, device: str, n_req: int, prefix_len: int, own: i
 
 def decode_steps(engine: LLMEngine, prompt: list[int], steps: int) -> dict:
     """engine.step() of one decoding request, alternating the compiled and the eager path
-    step by step, so that load from other jobs falls on both alike (min, p10, median ms)."""
-    decode = engine.runner.decode
+    step by step, so that load from other jobs falls on both alike (min, p10, median ms).
+    One step a call on both (num_scheduler_steps 1 for the duration): the eager path has no
+    multi-step runs, and a run of the compiled one is not a step."""
+    decode, scheduler = engine.runner.decode, engine.scheduler
+    runs, scheduler.num_scheduler_steps = scheduler.num_scheduler_steps, 1
     engine.add_request("alternating", prompt, greedy(steps + 2))
     engine.step()  # prefill
     times: dict[str, list[float]] = {"compiled": [], "eager": []}
@@ -355,7 +358,7 @@ def decode_steps(engine: LLMEngine, prompt: list[int], steps: int) -> dict:
         engine.step()
         sync(engine.device)
         times[name].append(1000 * (time.perf_counter() - t))
-    engine.runner.decode = decode
+    engine.runner.decode, scheduler.num_scheduler_steps = decode, runs
     engine.abort("alternating")
     out = {}
     for name, ms in times.items():
