@@ -3,12 +3,13 @@
 A decode step streams every weight once a token: 9.4 MB for the default model, read from
 the L3 cache or memory, about 2,300 pages of 4 KiB, more than the second-level TLB holds. On
 2 MiB pages the model's 17 products ran 1.05x as fast at 1 thread and 1.04x at 2
-(benchmarks/hugepages.py), and a whole single stream 1.05x at 1 and 2 threads in two of three
-runs, 0.985x in the third (a 2-core Xeon: benchmarks/README.md, "Huge pages"). Linux's default THP mode, `madvise`, gives
-huge pages only to memory that asks for them, and torch's allocator does not ask (unless
-THP_MEM_ALLOC_ENABLE=1, and then only for allocations of 2 MiB and more), so the engine's
-weights and KV pool live in anonymous memory advised MADV_HUGEPAGE. Where the OS has no such
-advice, or THP is off, that memory is on ordinary pages and nothing else changes.
+(benchmarks/hugepages.py), and a whole single stream 0.985x-1.05x in five A/B runs, about
+1.02x on average (a 2-core Xeon: benchmarks/README.md, "Huge pages"). Linux's default THP
+mode, `madvise`, gives huge pages only to memory that asks for them, and torch's allocator
+does not ask (unless THP_MEM_ALLOC_ENABLE=1, and then only for allocations of 2 MiB and
+more), so the engine's weights and KV pool live in anonymous memory advised MADV_HUGEPAGE.
+Where the OS has no such advice, or THP is off, that memory is on ordinary pages and nothing
+else changes.
 """
 
 from __future__ import annotations
