@@ -41,10 +41,11 @@ test-fast: install ## unit tests only
 # The Debian packages the tests run for real, in one apt-get where any is missing:
 # Prometheus, promtool and amtool (tests/monitoring: real rules, a real Prometheus),
 # Chromium (tests/browser.py: the plots page, the MLflow UI), PostgreSQL (tests/backends:
-# the MLflow backend store; moto's S3 server comes from requirements-dev.lock).
+# the MLflow backend store; moto's S3 server comes from requirements-dev.lock), tcmalloc
+# (the allocator the service preloads: production_service/server.py, serving_env).
 # Fails where they are missing and apt-get is not there: CI must not skip.
-SYSTEM_PACKAGES := prometheus prometheus-alertmanager chromium postgresql
-system-tools: ## install Debian's prometheus, prometheus-alertmanager, chromium and postgresql via apt
+SYSTEM_PACKAGES := prometheus prometheus-alertmanager chromium postgresql libtcmalloc-minimal4
+system-tools: ## install Debian's prometheus, prometheus-alertmanager, chromium, postgresql and tcmalloc via apt
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
 	if [ -z "$$missing" ]; then \
 		echo "$(SYSTEM_PACKAGES) are installed"; \
@@ -53,7 +54,7 @@ system-tools: ## install Debian's prometheus, prometheus-alertmanager, chromium 
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	else \
-		echo "install $$missing (Debian's packages: Prometheus 2.x, Alertmanager 0.2x, Chromium, PostgreSQL 13+): no apt-get here" >&2; exit 1; \
+		echo "install $$missing (Debian's packages: Prometheus 2.x, Alertmanager 0.2x, Chromium, PostgreSQL 13+, tcmalloc): no apt-get here" >&2; exit 1; \
 	fi
 
 monitoring-tools browser-tools: system-tools ## (the same packages, by what needs them)

@@ -186,7 +186,7 @@ def start_engine(model_dir: Path, device: str):
 
 def start_server(model_dir: Path, device: str, **settings: str) -> tuple[subprocess.Popen, str]:
     """The real server on free 127.0.0.1 ports; `settings` are extra environment variables."""
-    from production_service.server import gunicorn_argv, wait_ready
+    from production_service.server import gunicorn_argv, serving_env, wait_ready
 
     ports = []
     for _ in range(2):  # the API port and the probe port
@@ -204,7 +204,9 @@ def start_server(model_dir: Path, device: str, **settings: str) -> tuple[subproc
     }
     env.pop("LMOPS_API_KEY", None)
     with tempfile.NamedTemporaryFile(prefix="lmops-load-", suffix=".log", delete=False) as log:
-        proc = subprocess.Popen(gunicorn_argv(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            gunicorn_argv(), cwd=REPO, env=serving_env(env), stdout=log, stderr=subprocess.STDOUT
+        )
     url = f"http://127.0.0.1:{ports[0]}"
     if not wait_ready(url, proc, timeout=300):  # a first decode compile on a busy box is slow
         proc.kill()

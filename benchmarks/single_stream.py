@@ -2,7 +2,8 @@
 a baseline commit, in one run.
 
     python benchmarks/single_stream.py [--baseline REV] [--threads 1 2] [--rounds 7] [--speculative 4]
-        [--scheduler-steps 4] [--draft-model target|tiny] [--model DIR --prompts-from TEXT [--num-prompts 8]] [--int8] [--quick]
+        [--scheduler-steps 4] [--draft-model target|tiny] [--model DIR --prompts-from TEXT [--num-prompts 8]] [--int8]
+        [--malloc glibc tcmalloc] [--quick]
 
 All engines run the same random default-size model (benchmarks/engine.py's, context 1024)
 and the same greedy request (128-token prompt, 128 new tokens, EOS ignored), compiled decode
@@ -34,12 +35,17 @@ temperature=0.8 top_p=0.95 ...` makes every request a sampled one with those
 SamplingParams fields (CTranslate2's: temperature, top_k and top_p; the same count of
 tokens, each engine's own draws, not compared). `--int8` gives every engine int8 weights
 (lmops's `quantization="int8"`, CTranslate2's int8 compute type; CTranslate2's tokens, from
-its own quantization, are not compared). Writes benchmarks/results/single-stream-cpu.json.
+its own quantization, are not compared). `--malloc A [B ...]`: every worker runs under
+allocator A (glibc's own, or tcmalloc or jemalloc preloaded, as the service's serving_env
+preloads one); each further allocator B adds the engine as it is and CTranslate2's backends
+again under B (`now@B`, `ctranslate2-dnnl@B`, ...), so the allocator's effect on each is
+measured in the same run. Writes benchmarks/results/single-stream-cpu.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import io
 import json
 import os
@@ -61,7 +67,18 @@ BASELINE = "6045f25"
 PROMPT_LEN = 128
 # CTranslate2's CPU GEMM backends, as its CT2_USE_MKL chooses them.
 CT2_BACKENDS = {"ctranslate2-mkl": "1", "ctranslate2-dnnl": "0"}
-ENGINES = ("baseline", "now", "scheduler-steps", "speculative", *CT2_BACKENDS)
+# The allocators a worker can run under (`--malloc`): glibc's, or a library preloaded, as
+# production_service/server.py's serving_env preloads one for the service.
+MALLOCS = {"glibc": None, "tcmalloc": "tcmalloc_minimal", "jemalloc": "jemalloc"}
+
+
+def engines(row: dict) -> list[str]:
+    """A thread count's engines, in the order they ran (`name` or `name@malloc`)."""
+    return [n for n, x in row.items() if isinstance(x, dict) and "runs" in x]
+
+
+def is_ctranslate2(name: str) -> bool:
+    return name.split("@")[0] in CT2_BACKENDS
 
 
 def worker(
@@ -152,10 +169,18 @@ class Worker:
         sampling: dict | None = None,
         int8: bool = False,
         use_mkl: str | None = None,
+        malloc: str = "glibc",
     ):
         """An lmops worker with `src` on its path; with `ct2_dir` (`convert_to_ctranslate2`), a
-        CTranslate2 one, on MKL (`use_mkl` "1") or oneDNN ("0")."""
+        CTranslate2 one, on MKL (`use_mkl` "1") or oneDNN ("0"); under `malloc` (MALLOCS)."""
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
+        env["LD_PRELOAD"] = ""
+        if MALLOCS[malloc] is not None:
+            env["LD_PRELOAD"] = ctypes.util.find_library(MALLOCS[malloc]) or ""
+            if not env["LD_PRELOAD"]:
+                raise SystemExit(
+                    f"--malloc {malloc}: lib{MALLOCS[malloc]} is not installed (make system-tools)"
+                )
         if use_mkl is not None:
             env["CT2_USE_MKL"] = use_mkl
         cmd = [sys.executable, __file__, "--worker", str(model_dir), "--threads", str(threads)]
@@ -213,11 +238,12 @@ def vs_ctranslate2(row: dict) -> dict:
     """Each lmops engine of a thread count's `row` against CTranslate2's best backend there
     (the higher median decode tok/s): the ratio of medians, and the median, lowest and highest
     of the per-request ratios (each run paired with that backend's run of the same request)."""
-    best = max((n for n in CT2_BACKENDS if n in row), key=lambda n: row[n]["decode_tok_s"], default=None)
+    ct2 = [n for n in engines(row) if is_ctranslate2(n)]
+    best = max(ct2, key=lambda n: row[n]["decode_tok_s"], default=None)
     if best is None:
         return {}
     out = {"best": best}
-    for name in (n for n in ENGINES if n in row and n not in CT2_BACKENDS):
+    for name in (n for n in engines(row) if n not in ct2):
         pairs = zip(row[name]["runs"], row[best]["runs"], strict=True)
         ratios = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in pairs]
         out[name] = {
@@ -235,7 +261,7 @@ def table(r: dict) -> str:
     ]
     for t, row in r["by_threads"].items():
         base, ct2 = row["baseline"], row.get("vs_ctranslate2", {})
-        for name in (n for n in ENGINES if n in row):
+        for name in engines(row):
             x = row[name]
             vs = "best" if name == ct2.get("best") else "-"
             if name in ct2:
@@ -293,6 +319,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         action="store_true",
         help="int8 weights: every lmops engine with quantization=int8, CTranslate2 with its int8 compute type",
     )
+    ap.add_argument(
+        "--malloc",
+        nargs="+",
+        choices=MALLOCS,
+        default=["glibc"],
+        help="the allocator every worker runs under (default glibc); each further one runs the "
+        "engine as it is and CTranslate2 again under it, as now@NAME and ctranslate2-...@NAME",
+    )
     ap.add_argument("--quick", action="store_true", help="2 rounds, 1 thread")
     ap.add_argument("--out", type=Path, default=RESULTS / "single-stream-cpu.json")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -331,6 +365,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "draft_model": args.draft_model,
         "scheduler_steps": args.scheduler_steps,
         "sampling": sampling or "greedy",
+        "malloc": args.malloc,
         "weights": "int8" if args.int8 else "float32",
         "cpu": cpu_description(),
         "model": str(args.model) if args.model else "random, default size",
@@ -350,24 +385,32 @@ def main(argv: list[str] | None = None) -> dict | None:
         if args.draft_model == "tiny":
             draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE, qk_norm=False)
         # name -> (lmops source, draft tokens, scheduler steps (None: the default), a CTranslate2
-        # model and its CT2_USE_MKL)
+        # model and its CT2_USE_MKL, the allocator)
+        malloc, *more = args.malloc
         sources = {
-            "baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0, None, None, None),
-            "now": (REPO / "src", 0, None, None, None),
+            "baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0, None, None, None, malloc),
+            "now": (REPO / "src", 0, None, None, None, malloc),
         }
         if args.scheduler_steps is not None:
-            sources["scheduler-steps"] = (REPO / "src", 0, args.scheduler_steps, None, None)
+            sources["scheduler-steps"] = (REPO / "src", 0, args.scheduler_steps, None, None, malloc)
         if args.speculative:
-            sources["speculative"] = (REPO / "src", args.speculative, None, None, None)
+            sources["speculative"] = (REPO / "src", args.speculative, None, None, None, malloc)
         if args.ctranslate2:
             ct2_dir = convert_to_ctranslate2(model_dir, Path(tmp) / "ct2")
             for name, use_mkl in CT2_BACKENDS.items():
-                sources[name] = (REPO / "src", 0, None, ct2_dir, use_mkl)
+                sources[name] = (REPO / "src", 0, None, ct2_dir, use_mkl, malloc)
+        for other in more:
+            sources[f"now@{other}"] = (REPO / "src", 0, None, None, None, other)
+            if args.ctranslate2:
+                for name, use_mkl in CT2_BACKENDS.items():
+                    sources[f"{name}@{other}"] = (REPO / "src", 0, None, ct2_dir, use_mkl, other)
         res["by_threads"] = {}
         for threads in args.threads:
             workers = {
-                name: Worker(src, model_dir, threads, k, draft_dir, ct2, steps, sampling, args.int8, use_mkl)
-                for name, (src, k, steps, ct2, use_mkl) in sources.items()
+                name: Worker(
+                    src, model_dir, threads, k, draft_dir, ct2, steps, sampling, args.int8, use_mkl, m
+                )
+                for name, (src, k, steps, ct2, use_mkl, m) in sources.items()
             }
             runs: dict[str, list[dict]] = {name: [] for name in workers}
             for _ in range(args.rounds):
@@ -377,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             for w in workers.values():
                 w.close()
             # int8: each library its own quantization, so CTranslate2's tokens are its own.
-            compared = [r for name, r in runs.items() if not (args.int8 and name in CT2_BACKENDS)]
+            compared = [r for name, r in runs.items() if not (args.int8 and is_ctranslate2(name))]
             for k in range(len(prompts) if not sampling else 0):
                 tokens = [x["tokens"] for r in compared for x in r if x["prompt"] == k]
                 assert all(t == tokens[0] for t in tokens), f"the engines' greedy tokens differ on prompt {k}"

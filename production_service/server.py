@@ -1,10 +1,11 @@
 """Starting the service, the one way: gunicorn with production_service/gunicorn.conf.py
-(which names the app), and waiting until /ready says 200. Used by `lmops serve`
-(`python -m production_service.server`), `make serve`, the tests and the load benchmark;
-standard library only."""
+(which names the app), in `serving_env`, and waiting until /ready says 200. Used by
+`lmops serve` (`python -m production_service.server`), `make serve`, the tests and the load
+benchmark; standard library only."""
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import subprocess
 import sys
@@ -16,9 +17,30 @@ from pathlib import Path
 GUNICORN_CONF = Path(__file__).resolve().with_name("gunicorn.conf.py")
 
 
+# A CPU step allocates and frees dozens of small tensors (the compiled decode graph's
+# buffers, each step). torch asks for 64-byte-aligned memory (posix_memalign), which glibc's
+# malloc serves on its slow path (perf: _mid_memalign, _int_malloc, malloc_consolidate);
+# tcmalloc and jemalloc serve it from their size classes, and one stream decodes about 7%
+# faster (benchmarks/README.md, "The allocator"). torch's own CPU launcher
+# (torch.backends.xeon.run_cpu) preloads them the same way. In order of preference:
+MALLOC_LIBRARIES = ("tcmalloc_minimal", "tcmalloc", "jemalloc")
+
+
 def gunicorn_argv(python: str = sys.executable) -> list[str]:
     """The command line that serves the app (host, port and the rest from the environment)."""
     return [python, "-m", "gunicorn", "--config", str(GUNICORN_CONF)]
+
+
+def serving_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's environment) to serve in: where it sets no LD_PRELOAD,
+    the first of MALLOC_LIBRARIES installed here preloaded. An LD_PRELOAD already set, even
+    empty (glibc's malloc), is the caller's choice and stays."""
+    env = dict(os.environ if env is None else env)
+    if "LD_PRELOAD" not in env:
+        found = next(filter(None, map(ctypes.util.find_library, MALLOC_LIBRARIES)), None)
+        if found:
+            env["LD_PRELOAD"] = found
+    return env
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 60) -> bool:
@@ -37,4 +59,4 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 
 
 if __name__ == "__main__":  # `lmops serve`: become gunicorn
     argv = gunicorn_argv()
-    os.execv(argv[0], argv)
+    os.execve(argv[0], argv, serving_env())

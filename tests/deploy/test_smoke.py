@@ -12,7 +12,7 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
-from production_service.server import gunicorn_argv, wait_ready
+from production_service.server import gunicorn_argv, serving_env, wait_ready
 from tests.conftest import free_port
 from tests.deploy.conftest import REPO, SECRETS, JsonStandIn, run_script, tiny_model
 
@@ -77,7 +77,9 @@ def test_smoke_test_against_the_real_service_under_gunicorn(tmp_path):
     env.pop("LMOPS_MODEL_URI", None)
     log = tmp_path / "gunicorn.log"
     with log.open("wb") as out:  # started as the image starts it
-        server = subprocess.Popen(gunicorn_argv(), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            gunicorn_argv(), cwd=REPO, env=serving_env(env), stdout=out, stderr=subprocess.STDOUT
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         if not wait_ready(url, server, timeout=120):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from production_service.app import create_app
-from production_service.server import gunicorn_argv
+from production_service.server import gunicorn_argv, serving_env
 from production_service.server import wait_ready as server_ready
 from production_service.settings import ServiceConfig
 from tests.conftest import free_port, make_tiny_model_dir
@@ -98,7 +98,9 @@ def start_server(model_dir: Path | None, log: Path, wait_ready: bool = True, **e
     if model_dir is not None:
         full_env["LMOPS_MODEL_DIR"] = str(model_dir)
     with log.open("wb") as out:
-        proc = subprocess.Popen(gunicorn_argv(), cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            gunicorn_argv(), cwd=REPO, env=serving_env(full_env), stdout=out, stderr=subprocess.STDOUT
+        )
     server = Server(f"http://127.0.0.1:{port}", proc, log, f"http://127.0.0.1:{probe_port}")
     if wait_ready and not server_ready(server.url, proc, timeout=60):
         server.stop(5)

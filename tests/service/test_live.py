@@ -18,7 +18,8 @@ import openai
 import pytest
 import requests
 
-from production_service.server import wait_ready
+from production_service import server as service_server
+from production_service.server import MALLOC_LIBRARIES, serving_env, wait_ready
 from tests.conftest import make_tiny_model_dir
 from tests.service.conftest import free_port, server_env, start_server
 
@@ -232,8 +233,22 @@ def test_concurrent_requests_share_the_batch(server):
     assert results == [200] * 12
 
 
+def test_serving_env_preloads_an_installed_allocator_unless_ld_preload_is_set(monkeypatch):
+    """tcmalloc where installed (make system-tools installs it, as CI runs it); an LD_PRELOAD
+    the caller set, even empty, is kept; with none of MALLOC_LIBRARIES installed, glibc's."""
+    chosen = serving_env({})["LD_PRELOAD"]
+    assert "tcmalloc" in chosen, chosen
+    assert serving_env({"LD_PRELOAD": ""}) == {"LD_PRELOAD": ""}
+    assert serving_env({"LD_PRELOAD": "libother.so", "A": "1"}) == {"LD_PRELOAD": "libother.so", "A": "1"}
+    asked = []
+    monkeypatch.setattr(service_server.ctypes.util, "find_library", lambda name: asked.append(name))
+    assert serving_env({"A": "1"}) == {"A": "1"}
+    assert asked == list(MALLOC_LIBRARIES)
+
+
 def test_lmops_serve_runs_outside_the_checkout(model_dir, tmp_path):
-    """`lmops serve` needs no repository-relative path: the service is installed with lmops."""
+    """`lmops serve` needs no repository-relative path: the service is installed with lmops;
+    its worker runs on the allocator serving_env preloads."""
     port, probe_port = free_port(), free_port()
     env = server_env(port, probe_port, LMOPS_GRACEFUL_TIMEOUT="5")
     lmops = Path(sys.executable).parent / "lmops"
@@ -247,6 +262,9 @@ def test_lmops_serve_runs_outside_the_checkout(model_dir, tmp_path):
             f"http://127.0.0.1:{port}/predict", json={"prompt": "ROMEO:", "max_tokens": 2}, timeout=30
         )
         assert r.status_code == 200 and r.json()["model"] == "lmops-tiny"
+        [worker] = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        library = serving_env({})["LD_PRELOAD"].split(".so")[0]
+        assert library in Path(f"/proc/{worker}/maps").read_text()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
