@@ -31,6 +31,13 @@ ARG VARIANT=cpu
 FROM ghcr.io/astral-sh/uv:0.9.5 AS uv
 
 FROM debian:12.12-slim AS base-cpu
+# tcmalloc, preloaded in every process (as `lmops serve` preloads it: production_service/
+# server.py, serving_env): torch's 64-byte-aligned allocations take glibc's slow path, a cost
+# on every CPU step, eager ones included (benchmarks/README.md, "The allocator").
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libtcmalloc-minimal4=2.10-1 \
+    && rm -rf /var/lib/apt/lists/*
+ENV LD_PRELOAD=libtcmalloc_minimal.so.4
 
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
 ENV NVIDIA_VISIBLE_DEVICES=all \

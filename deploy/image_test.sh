@@ -179,6 +179,14 @@ serve() {
   ready_ms=$((($(date +%s%N) - t0) / 1000000))
   echo "image-test: $name: ready $ready_ms ms after \`$engine run\`" >&2
   [ "$($engine exec "$container" id -u)" = 10001 ] || die "$name: the service does not run as user 10001"
+  # gunicorn's master and worker, each with tcmalloc mapped (the image's LD_PRELOAD).
+  $engine exec "$container" python -c '
+import glob, os, sys
+from pathlib import Path
+procs = [Path(c).parent for c in glob.glob("/proc/[0-9]*/cmdline") if b"gunicorn" in Path(c).read_bytes()]
+procs = [p for p in procs if p.name != str(os.getpid())]  # (this script names gunicorn too)
+sys.exit(len(procs) < 2 or not all("libtcmalloc" in (p / "maps").read_text() for p in procs))' ||
+    die "$name: gunicorn does not run on tcmalloc (the image's LD_PRELOAD)"
   deploy/smoke_test.sh "http://127.0.0.1:$port"
   python - "http://127.0.0.1:$port/v1" "lmops-$name" <<'PY'
 import sys
