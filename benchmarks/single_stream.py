@@ -179,7 +179,7 @@ class Worker:
             env["LD_PRELOAD"] = ctypes.util.find_library(MALLOCS[malloc]) or ""
             if not env["LD_PRELOAD"]:
                 raise SystemExit(
-                    f"--malloc {malloc}: lib{MALLOCS[malloc]} is not installed (make system-tools)"
+                    f"--malloc {malloc}: lib{MALLOCS[malloc]} is not installed (make system-tools brings tcmalloc)"
                 )
         if use_mkl is not None:
             env["CT2_USE_MKL"] = use_mkl
