@@ -174,13 +174,12 @@ class Worker:
         """An lmops worker with `src` on its path; with `ct2_dir` (`convert_to_ctranslate2`), a
         CTranslate2 one, on MKL (`use_mkl` "1") or oneDNN ("0"); under `malloc` (MALLOCS)."""
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
-        env["LD_PRELOAD"] = ""
-        if MALLOCS[malloc] is not None:
-            env["LD_PRELOAD"] = ctypes.util.find_library(MALLOCS[malloc]) or ""
-            if not env["LD_PRELOAD"]:
-                raise SystemExit(
-                    f"--malloc {malloc}: lib{MALLOCS[malloc]} is not installed (make system-tools brings tcmalloc)"
-                )
+        library = MALLOCS[malloc] and ctypes.util.find_library(MALLOCS[malloc])
+        if MALLOCS[malloc] and not library:
+            raise SystemExit(
+                f"--malloc {malloc}: lib{MALLOCS[malloc]} is not installed (make system-tools brings tcmalloc)"
+            )
+        env["LD_PRELOAD"] = library or ""  # empty: glibc's malloc, whatever this process preloads
         if use_mkl is not None:
             env["CT2_USE_MKL"] = use_mkl
         cmd = [sys.executable, __file__, "--worker", str(model_dir), "--threads", str(threads)]

@@ -3,6 +3,7 @@ driven by the official `openai` client and raw sockets (disconnects, SIGTERM).""
 
 from __future__ import annotations
 
+import ctypes.util
 import http.client
 import json
 import re
@@ -18,7 +19,6 @@ import openai
 import pytest
 import requests
 
-from production_service import server as service_server
 from production_service.server import MALLOC_LIBRARIES, serving_env, wait_ready
 from tests.conftest import make_tiny_model_dir
 from tests.service.conftest import free_port, server_env, start_server
@@ -241,7 +241,7 @@ def test_serving_env_preloads_an_installed_allocator_unless_ld_preload_is_set(mo
     assert serving_env({"LD_PRELOAD": ""}) == {"LD_PRELOAD": ""}
     assert serving_env({"LD_PRELOAD": "libother.so", "A": "1"}) == {"LD_PRELOAD": "libother.so", "A": "1"}
     asked = []
-    monkeypatch.setattr(service_server.ctypes.util, "find_library", lambda name: asked.append(name))
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: asked.append(name))
     assert serving_env({"A": "1"}) == {"A": "1"}
     assert asked == list(MALLOC_LIBRARIES)
 

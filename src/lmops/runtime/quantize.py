@@ -62,6 +62,10 @@ class Int8Weight:
     def detach(self) -> Int8Weight:
         return self
 
+    def tensors(self) -> list[torch.Tensor]:
+        """What holds its numbers (where FusedForward moves its memory)."""
+        return [self.q, self.scale]
+
     def __getitem__(self, rows) -> Int8Weight:
         return Int8Weight(self.q[rows], self.scale[rows])
 

@@ -148,10 +148,8 @@ def _row_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors(w) -> list[torch.Tensor]:
-    """A weight's tensors: itself, or a quantize.Int8Weight's (its int8 rows and scales)."""
-    if isinstance(w, torch.Tensor):
-        return [w]
-    return [t for t in vars(w).values() if isinstance(t, torch.Tensor)]
+    """A weight's tensors: itself, or a quantize.Int8Weight's."""
+    return [w] if isinstance(w, torch.Tensor) else w.tensors()
 
 
 def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
