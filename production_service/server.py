@@ -21,7 +21,8 @@ GUNICORN_CONF = Path(__file__).resolve().with_name("gunicorn.conf.py")
 # buffers, each step). torch asks for 64-byte-aligned memory (posix_memalign), which glibc's
 # malloc serves on its slow path (perf: _mid_memalign, _int_malloc, malloc_consolidate);
 # tcmalloc and jemalloc serve it from their size classes: one compiled stream decodes
-# 1.03x-1.08x as fast at 1 thread, 1.12x at 2 (benchmarks/README.md, "The allocator").
+# 1.03x-1.08x as fast at 1 thread, 1.08x-1.12x at 2, on a 2-core Xeon with AVX-512
+# (benchmarks/README.md, "The allocator").
 # torch's own CPU launcher (torch.backends.xeon.run_cpu) preloads them the same way.
 # In order of preference:
 MALLOC_LIBRARIES = ("tcmalloc_minimal", "tcmalloc", "jemalloc")
