@@ -104,6 +104,24 @@ def setup_distributed(device: torch.device) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size())
 
 
+def leave_distributed(run: Run) -> None:
+    """Wait for every rank, then take the process group down in an order that cannot hang.
+
+    Gloo's barrier holds weak references to the collectives before it (DDP's gradient
+    all-reduces, the validation loss), so their tensors are freed with the barrier's work,
+    and freeing a tensor Python has seen takes the GIL. Were that work freed last by a
+    gloo worker thread, while this thread holds the GIL in the process group's destructor
+    joining that worker, both would wait for ever. So this thread keeps the barrier's handle
+    until the group is gone: DDP (whose reducer holds the group) first, then the group,
+    whose workers it joins then have nothing left to free; the barrier is freed here last.
+    """
+    everyone_done = dist.barrier(async_op=True)
+    everyone_done.wait()
+    run.forward = run.model
+    dist.destroy_process_group()
+    del everyone_done
+
+
 def lr_at(step: int, cfg: TrainConfig, plateau_decays: int = 0) -> float:
     """Linear warmup to learning_rate; then cosine decay to min_lr at max_steps, or (plateau)
     learning_rate * lr_plateau_factor ** plateau_decays, down to min_lr, or (wsd) learning_rate
@@ -404,13 +422,10 @@ def train(
         _loop(run)
         result = _finish(run, out_dir) if ddp.main else None
         if ddp.world > 1:
-            # Gloo's worker threads need the GIL to release the last collective's tensors,
-            # and the process group's destructor joins them while holding it (pytorch#56297):
-            # a rank that tears down at once can hang. Wait for every rank, GIL released.
-            dist.barrier()
+            leave_distributed(run)
         return result
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized():  # a rank that failed: leave without waiting for the others
             dist.destroy_process_group()
 
 
