@@ -31,17 +31,28 @@ ARG VARIANT=cpu
 FROM ghcr.io/astral-sh/uv:0.9.5 AS uv
 
 FROM debian:12.12-slim AS base-cpu
+ARG PYTHON=managed
 # tcmalloc, preloaded in every process (as `lmops serve` preloads it: production_service/
 # server.py, serving_env): torch's 64-byte-aligned allocations take glibc's slow path, a cost
 # on every CPU step, eager ones included (benchmarks/README.md, "The allocator").
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends libtcmalloc-minimal4=2.10-1 \
+# g++, for inductor: the service's compiled decode (about 3x the eager single stream) and the
+# pipeline's compiled training step, as vLLM's CPU image carries gcc for torch.compile. It
+# compiles at the first start, then loads from inductor's cache under /tmp. A system Python
+# needs its headers too (a managed one brings them); they must match the base's python3.11.
+# hadolint ignore=DL3008
+RUN headers=; if [ "$PYTHON" = system ]; then headers=libpython3.11-dev; fi \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends libtcmalloc-minimal4=2.10-1 g++=4:12.2.0-3 \
+       ${headers:+"$headers"} \
     && rm -rf /var/lib/apt/lists/*
 ENV LD_PRELOAD=libtcmalloc_minimal.so.4
 
+# No C++ compiler here, so no compiled CPU decode: LMOPS_COMPILE=0 decodes eagerly from the
+# start instead of failing a compile at every engine start (the GPU decodes eagerly anyway).
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
 ENV NVIDIA_VISIBLE_DEVICES=all \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    LMOPS_COMPILE=0
 
 # --- build: a virtual environment from the serving lock, then lmops itself -------
 # hadolint ignore=DL3006
@@ -62,8 +73,8 @@ RUN uv venv --python-preference "only-$PYTHON" --python 3.11 /opt/venv \
 WORKDIR /src
 # torch==2.13.0 in the lock resolves to the +cpu or +cu128 build (pip prefers the
 # local-version wheel that TORCH_INDEX offers); pip check: the lock is complete.
-# Serving never compiles C++ extensions, so torch's headers, test binaries and
-# protoc go (about 190 MB; torch_shm_manager stays, torch needs it). lmops itself
+# torch's test binaries and protoc go (about 130 MB; torch_shm_manager stays, torch needs
+# it); its headers stay in the CPU build, which compiles, and go from the CUDA one. lmops itself
 # comes without its dependencies: those of lmops[serve] are the lock's, the
 # pipeline's stay out.
 COPY requirements-serve.lock ./
@@ -74,7 +85,8 @@ RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
        -r requirements-serve.lock \
     && /opt/venv/bin/pip check
 RUN torch=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/torch \
-    && rm -rf "$torch/include" "$torch/test" \
+    && rm -rf "$torch/test" \
+    && if [ "$VARIANT" = cuda ]; then rm -rf "$torch/include"; fi \
     && find "$torch/bin" -type f ! -name torch_shm_manager -delete
 # The runtime half of lmops only; its `lmops` command (the pipeline's) goes with the rest.
 COPY pyproject.toml README.md ./
@@ -121,12 +133,9 @@ ARG REVISION=unknown
 LABEL org.opencontainers.image.revision=$REVISION
 
 # --- runtime (the default target): the environment, the service, the model; non-root --
-# No C++ compiler here (nor torch's headers), so no compiled decode: LMOPS_COMPILE=0
-# decodes eagerly from the start instead of failing a compile at every engine start.
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS runtime
 ENV PATH=/opt/venv/bin:$PATH \
-    LMOPS_COMPILE=0 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the CPU image and run it as production does (its own user, read-only root
 # filesystem, a tmpfs /tmp, the port published on 127.0.0.1), twice: with a model
-# baked in, then with another one mounted read-only. Each time: deploy/smoke_test.sh,
+# baked in, decoding compiled (the image's g++ compiles it at start), then with another
+# one mounted read-only, decoding eagerly (LMOPS_COMPILE=0). Each time: deploy/smoke_test.sh,
 # a completion and a streamed one with the openai client, then SIGTERM: the
 # container must exit 0 within the grace period. `make image-test` runs it (CI too).
 #
@@ -25,7 +26,7 @@ source "$(dirname "$0")/lib.sh"
 
 [ $# -eq 0 ] || die "usage: deploy/image_test.sh (settings come from the environment)"
 GRACE=45 # the pods' terminationGracePeriodSeconds; gunicorn's graceful timeout is 30 s
-READY_TIMEOUT=120
+READY_TIMEOUT=300 # as the startupProbe (k8s-deployment.yml): a first start compiles decode
 export IMAGE_TAG="image-test"
 image=lmops:$IMAGE_TAG
 containers=()
@@ -157,10 +158,11 @@ CONTAINER_ENGINE=$engine CONTEXT=$context deploy/build_image.sh -- "${build_opts
 echo "image-test: built $image in $((SECONDS - started)) s," \
   "$($engine image inspect --format '{{.Size}}' "$image" | awk '{printf "%.2f GB", $1 / 1e9}')" >&2
 
-# serve NAME [RUN-OPTION...]: run the image as production does, smoke-test it, stop it.
+# serve NAME DECODE [RUN-OPTION...]: run the image as production does, smoke-test it, stop
+# it. DECODE: compiled (inductor, with the image's g++, at the first start) or eager.
 serve() {
-  local name=$1 container port ready_ms state
-  shift
+  local name=$1 decode=$2 container port ready_ms state
+  shift 2
   container=lmops-image-test-$$-$name
   port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   containers+=("$container")
@@ -187,6 +189,12 @@ procs = [Path(c).parent for c in glob.glob("/proc/[0-9]*/cmdline") if b"gunicorn
 procs = [p for p in procs if p.name != str(os.getpid())]  # (this script names gunicorn too)
 sys.exit(len(procs) < 2 or not all("libtcmalloc" in (p / "maps").read_text() for p in procs))' ||
     die "$name: gunicorn does not run on tcmalloc (the image's LD_PRELOAD)"
+  if [ "$decode" = compiled ]; then
+    $engine logs "$container" 2>&1 | grep "compiled decode in" >&2 ||
+      { $engine logs "$container" >&2 && die "$name: the service does not decode compiled"; }
+  else
+    ! $engine logs "$container" 2>&1 | grep -E "compil(ed|ing) decode" >&2 || die "$name: the service compiled"
+  fi
   deploy/smoke_test.sh "http://127.0.0.1:$port"
   python - "http://127.0.0.1:$port/v1" "lmops-$name" <<'PY'
 import sys
@@ -235,8 +243,8 @@ assert shutil.which("lmops") is None, "the serving image has the pipeline comman
 print("image-test: the serving image holds the runtime half only")
 '
 
-serve baked
-serve mounted --volume "$WORK/mounted-model:/app/production_service/model:ro"
+serve baked compiled
+serve mounted eager --env LMOPS_COMPILE=0 --volume "$WORK/mounted-model:/app/production_service/model:ro"
 
 # The pipeline target (Kubeflow's steps): the whole lmops and its command, as user 10001,
 # and the train step's launcher with the TrainJob it carries (a dry run: no cluster).
