@@ -244,7 +244,11 @@ print("image-test: the serving image holds the runtime half only")
 '
 
 serve baked compiled
-serve mounted eager --env LMOPS_COMPILE=0 --volume "$WORK/mounted-model:/app/production_service/model:ro"
+serve mounted eager --env LMOPS_COMPILE=0 --cpus 1 --volume "$WORK/mounted-model:/app/production_service/model:ro"
+# A CPU quota (--cpus 1) of fewer CPUs than the container sees sets torch's threads
+# (gunicorn.conf.py: production_service.server.thread_env).
+grep -q ", 1 CPU threads" "$WORK/mounted.log" ||
+  { cat "$WORK/mounted.log" >&2 && die "mounted: torch does not follow the container's CPU quota"; }
 
 # The pipeline target (Kubeflow's steps): the whole lmops and its command, as user 10001,
 # and the train step's launcher with the TrainJob it carries (a dry run: no cluster).

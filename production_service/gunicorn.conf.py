@@ -16,12 +16,17 @@ import sys
 import threading
 
 from lmops.errors import LmopsError
+from production_service.server import thread_env
 from production_service.settings import ServiceConfig
 
 try:
     _config = ServiceConfig.from_env()
 except LmopsError as exc:
     sys.exit(f"lmops: {exc}")
+
+# The container's CPU quota, not its host's cores, sets torch's threads and inductor's compile
+# workers: set here, in the master, before the worker imports torch (nothing here does).
+os.environ.update(thread_env(dict(os.environ)))
 
 # The worker exits with gunicorn's WORKER_BOOT_ERROR when the model cannot load, so
 # the master stops with a non-zero status instead of respawning it forever.

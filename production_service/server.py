@@ -6,6 +6,7 @@ benchmark; standard library only."""
 from __future__ import annotations
 
 import ctypes.util
+import math
 import os
 import subprocess
 import sys
@@ -43,6 +44,40 @@ def serving_env(env: dict[str, str] | None = None) -> dict[str, str]:
         if found:
             env["LD_PRELOAD"] = found
     return env
+
+
+# torch's threads and inductor's compile workers: both count the cores this process may run
+# on, which in a container are all of its host's, whatever its CPU quota.
+THREAD_SETTINGS = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def cpu_quota(cgroup: Path = CGROUP) -> int | None:
+    """The CPUs this process's cgroup may use, rounded up (`docker run --cpus`, a Kubernetes
+    CPU limit, systemd's CPUQuota), or None where it has no quota: cgroup v2's cpu.max, else
+    v1's cpu.cfs_quota_us over cpu.cfs_period_us."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        try:
+            quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    return max(1, math.ceil(int(quota) / int(period)))
+
+
+def thread_env(env: dict[str, str], cgroup: Path = CGROUP) -> dict[str, str]:
+    """What to add to `env` so that torch runs as many threads as the CPU quota allows, not
+    one per core of the host (throttled, and written into the compiled decode graphs), and
+    inductor starts as many compile workers: each of THREAD_SETTINGS that `env` does not set,
+    where a quota is below the cores this process may run on."""
+    quota = cpu_quota(cgroup)
+    if quota is None or quota >= len(os.sched_getaffinity(0)):
+        return {}
+    return {name: str(quota) for name in THREAD_SETTINGS if name not in env}
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 60) -> bool:

@@ -19,7 +19,7 @@ import openai
 import pytest
 import requests
 
-from production_service.server import MALLOC_LIBRARIES, serving_env, wait_ready
+from production_service.server import MALLOC_LIBRARIES, cpu_quota, serving_env, thread_env, wait_ready
 from tests.conftest import make_tiny_model_dir
 from tests.service.conftest import free_port, server_env, start_server
 
@@ -244,6 +244,30 @@ def test_serving_env_preloads_an_installed_allocator_unless_ld_preload_is_set(mo
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: asked.append(name))
     assert serving_env({"A": "1"}) == {"A": "1"}
     assert asked == list(MALLOC_LIBRARIES)
+
+
+def test_thread_env_follows_the_cgroup_cpu_quota(tmp_path, monkeypatch):
+    """cgroup v2's cpu.max, else v1's quota over period, rounded up; nothing without a quota,
+    with one at or above the cores this process may use, or for a setting the caller made.
+    (The image test runs the real thing: a container started with --cpus 1.)"""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert cpu_quota(v2) == 2
+    assert thread_env({}, v2) == {"OMP_NUM_THREADS": "2", "TORCHINDUCTOR_COMPILE_THREADS": "2"}
+    assert thread_env({"OMP_NUM_THREADS": "4"}, v2) == {"TORCHINDUCTOR_COMPILE_THREADS": "2"}
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(v2) is None and thread_env({}, v2) == {}
+    (v2 / "cpu.max").write_text("800000 100000\n")
+    assert thread_env({}, v2) == {}  # all 8 cores: nothing to hold back
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota(v1) == 1 and thread_env({}, v1)["OMP_NUM_THREADS"] == "1"
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota(v1) is None
+    assert cpu_quota(tmp_path / "none") is None
 
 
 def test_lmops_serve_runs_outside_the_checkout(model_dir, tmp_path):

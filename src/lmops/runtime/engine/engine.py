@@ -155,12 +155,13 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # made by the first structured request
         self._grammars_lock = threading.Lock()
         log.info(
-            "engine: %d KV blocks of %d tokens (%.1f MiB), device %s, %s",
+            "engine: %d KV blocks of %d tokens (%.1f MiB), device %s, %s, %d CPU threads",
             num_blocks,
             self.block_size,
             self.pool.nbytes / 2**20,
             self.device,
             self.dtype,
+            torch.get_num_threads(),
         )
 
     @classmethod
