@@ -26,7 +26,7 @@ except LmopsError as exc:
 
 # The container's CPU quota, not its host's cores, sets torch's threads and inductor's compile
 # workers: set here, in the master, before the worker imports torch (nothing here does).
-os.environ.update(thread_env(dict(os.environ)))
+os.environ.update(thread_env(os.environ))
 
 # The worker exits with gunicorn's WORKER_BOOT_ERROR when the model cannot load, so
 # the master stops with a non-zero status instead of respawning it forever.

@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 GUNICORN_CONF = Path(__file__).resolve().with_name("gunicorn.conf.py")
@@ -69,7 +70,7 @@ def cpu_quota(cgroup: Path = CGROUP) -> int | None:
     return max(1, math.ceil(int(quota) / int(period)))
 
 
-def thread_env(env: dict[str, str], cgroup: Path = CGROUP) -> dict[str, str]:
+def thread_env(env: Mapping[str, str], cgroup: Path = CGROUP) -> dict[str, str]:
     """What to add to `env` so that torch runs as many threads as the CPU quota allows, not
     one per core of the host (throttled, and written into the compiled decode graphs), and
     inductor starts as many compile workers: each of THREAD_SETTINGS that `env` does not set,

@@ -113,13 +113,12 @@ def leave_distributed(run: Run) -> None:
     gloo worker thread, while this thread holds the GIL in the process group's destructor
     joining that worker, both would wait for ever. So this thread keeps the barrier's handle
     until the group is gone: DDP (whose reducer holds the group) first, then the group,
-    whose workers it joins then have nothing left to free; the barrier is freed here last.
+    whose workers it joins then have nothing left to free; the barrier is freed on return.
     """
     everyone_done = dist.barrier(async_op=True)
     everyone_done.wait()
     run.forward = run.model
     dist.destroy_process_group()
-    del everyone_done
 
 
 def lr_at(step: int, cfg: TrainConfig, plateau_decays: int = 0) -> float:
