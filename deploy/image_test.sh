@@ -243,7 +243,10 @@ assert shutil.which("lmops") is None, "the serving image has the pipeline comman
 print("image-test: the serving image holds the runtime half only")
 '
 
-serve baked compiled
+# Compiled for one sequence (LMOPS_MAX_NUM_SEQS=1): its step and multi-step runs, what a lone
+# request decodes through, in 3 graphs of the 7 a default engine compiles at start, since
+# .ci/run builds and serves this image beside the test suite, on the same cores.
+serve baked compiled --env LMOPS_MAX_NUM_SEQS=1
 serve mounted eager --env LMOPS_COMPILE=0 --cpus 1 --volume "$WORK/mounted-model:/app/production_service/model:ro"
 # A CPU quota (--cpus 1) of fewer CPUs than the container sees sets torch's threads
 # (gunicorn.conf.py: production_service.server.thread_env).
