@@ -3,7 +3,7 @@ a baseline commit, in one run.
 
     python benchmarks/single_stream.py [--baseline REV] [--threads 1 2] [--rounds 7] [--speculative 4]
         [--scheduler-steps 4] [--draft-model target|tiny] [--model DIR --prompts-from TEXT [--num-prompts 8]] [--int8]
-        [--malloc glibc tcmalloc] [--quick]
+        [--malloc glibc tcmalloc] [--concurrency 8] [--quick]
 
 All engines run the same random default-size model (benchmarks/engine.py's, context 1024)
 and the same greedy request (128-token prompt, 128 new tokens, EOS ignored), compiled decode
@@ -39,7 +39,9 @@ its own quantization, are not compared). `--malloc A [B ...]`: every worker runs
 allocator A (glibc's own, or tcmalloc or jemalloc preloaded, as the service's serving_env
 preloads one); each further allocator B adds the engine as it is and CTranslate2's backends
 again under B (`now@B`, `ctranslate2-dnnl@B`, ...), so the allocator's effect on each is
-measured in the same run. Writes benchmarks/results/single-stream-cpu.json.
+measured in the same run. `--concurrency N` submits each request N times at once, so the
+lmops engines decode batches of N (tok/s over all N; not with `--ctranslate2`). Writes
+benchmarks/results/single-stream-cpu.json.
 """
 
 from __future__ import annotations
@@ -89,10 +91,13 @@ def worker(
     steps: int | None,
     sampling: dict,
     int8: bool,
+    concurrency: int,
 ) -> None:
     """Serve requests from stdin (one JSON line: prompt ids and new tokens), answer one JSON
     line each; greedy, or `sampling`'s SamplingParams fields; `int8`: int8 weights; `steps`:
-    num_scheduler_steps (None: the engine's default)."""
+    num_scheduler_steps (None: the engine's default); each request `concurrency` times at once
+    (decode tok/s: all their tokens after the first over the time from the first first token
+    to the last token; the CPU time from the step that gave every copy its first token)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -112,23 +117,27 @@ def worker(
         prompt, new = ask["prompt"], ask["new"]
         engine.reset_metrics()
         params = SamplingParams(**{"temperature": 0, **sampling}, max_tokens=new, ignore_eos=True)
-        engine.add_request(str(i), prompt, params)
-        (out,) = engine.step()  # the prefill and the first token
-        cpu = time.process_time()
-        while not out.finished:
-            (out,) = engine.step()
+        for j in range(concurrency):
+            engine.add_request(f"{i}.{j}", prompt, params)
+        outs, cpu = {}, None
+        while engine.has_unfinished_requests():
+            outs |= {out.request_id: out for out in engine.step()}
+            if cpu is None and len(outs) == concurrency:  # every copy has its first token
+                cpu = time.process_time()
         cpu = time.process_time() - cpu
-        m = out.metrics
+        metrics = [outs[f"{i}.{j}"].metrics for j in range(concurrency)]
+        first, last = min(m.first_token_time for m in metrics), max(m.last_token_time for m in metrics)
         result = {
-            "decode_tok_s": (new - 1) / (m.last_token_time - m.first_token_time),
-            "decode_cpu_tok_s": (new - 1) / cpu,
-            "ttft_ms": 1000 * m.ttft,
+            "decode_tok_s": concurrency * (new - 1) / (last - first),
+            "decode_cpu_tok_s": concurrency * (new - 1) / cpu,
+            "ttft_ms": 1000 * max(m.ttft for m in metrics),
         }
         value = engine.metrics.registry.get_sample_value
         if speculative:
             drafted = value("lmops:spec_decode_num_draft_tokens_total")
             result["acceptance"] = value("lmops:spec_decode_num_accepted_tokens_total") / max(drafted, 1)
-        print(json.dumps({**result, "tokens": out.token_ids}), flush=True)
+        tokens = [outs[f"{i}.{j}"].token_ids for j in range(concurrency)]
+        print(json.dumps({**result, "tokens": tokens}), flush=True)
 
 
 def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int, sampling: dict, int8: bool) -> None:
@@ -153,7 +162,7 @@ def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int, sampling: d
             "decode_cpu_tok_s": (new - 1) / (time.process_time() - cpu),
             "ttft_ms": 1000 * (times[0] - start),
         }
-        print(json.dumps({**result, "tokens": tokens}), flush=True)
+        print(json.dumps({**result, "tokens": [tokens]}), flush=True)
 
 
 class Worker:
@@ -170,6 +179,7 @@ class Worker:
         int8: bool = False,
         use_mkl: str | None = None,
         malloc: str = "glibc",
+        concurrency: int = 1,
     ):
         """An lmops worker with `src` on its path; with `ct2_dir` (`convert_to_ctranslate2`), a
         CTranslate2 one, on MKL (`use_mkl` "1") or oneDNN ("0"); under `malloc` (MALLOCS)."""
@@ -185,6 +195,7 @@ class Worker:
         cmd = [sys.executable, __file__, "--worker", str(model_dir), "--threads", str(threads)]
         cmd += ["--speculative", str(speculative)] + ["--scheduler-steps", str(steps)] * (steps is not None)
         cmd += ["--sampling-json", json.dumps(sampling or {})] + ["--int8"] * int8
+        cmd += ["--concurrency", str(concurrency)]
         if speculative and draft_dir is not None:
             cmd += ["--draft-dir", str(draft_dir)]
         if ct2_dir is not None:
@@ -326,6 +337,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         help="the allocator every worker runs under (default glibc); each further one runs the "
         "engine as it is and CTranslate2 again under it, as now@NAME and ctranslate2-...@NAME",
     )
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="submit each request this many times at once: batched decode steps (lmops engines only)",
+    )
     ap.add_argument("--quick", action="store_true", help="2 rounds, 1 thread")
     ap.add_argument("--out", type=Path, default=RESULTS / "single-stream-cpu.json")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -346,9 +363,12 @@ def main(argv: list[str] | None = None) -> dict | None:
             args.scheduler_steps,
             args.sampling_json,
             args.int8,
+            args.concurrency,
         )
     if args.draft_model and not args.speculative:
         ap.error("--draft-model drafts --speculative K tokens a step: give K")
+    if args.concurrency < 1 or (args.concurrency > 1 and args.ctranslate2):
+        ap.error("--concurrency takes a count >= 1, of lmops engines' requests only (not with --ctranslate2)")
     try:
         sampling = {k: json.loads(v) for k, v in (field.split("=", 1) for field in args.sampling)}
     except ValueError:
@@ -364,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "draft_model": args.draft_model,
         "scheduler_steps": args.scheduler_steps,
         "sampling": sampling or "greedy",
+        "concurrency": args.concurrency,
         "malloc": args.malloc,
         "weights": "int8" if args.int8 else "float32",
         "cpu": cpu_description(),
@@ -407,7 +428,18 @@ def main(argv: list[str] | None = None) -> dict | None:
         for threads in args.threads:
             workers = {
                 name: Worker(
-                    src, model_dir, threads, k, draft_dir, ct2, steps, sampling, args.int8, use_mkl, m
+                    src,
+                    model_dir,
+                    threads,
+                    k,
+                    draft_dir,
+                    ct2,
+                    steps,
+                    sampling,
+                    args.int8,
+                    use_mkl,
+                    m,
+                    args.concurrency,
                 )
                 for name, (src, k, steps, ct2, use_mkl, m) in sources.items()
             }

@@ -64,7 +64,8 @@ def test_padding_rows_leave_the_managed_blocks_alone(compiled_engine, prompts):
     assert scratch == engine.block_manager.num_blocks == engine.pool.num_blocks - 1
     before = engine.pool.kv[:, :, :scratch].clone()
     with torch.inference_mode():  # as the runner calls it (another mode would recompile)
-        engine.runner.decode._run([], engine.runner.decode._steps[4, 1], 4, 1)
+        decode = engine.runner.decode
+        decode._run([], decode._steps[4, 1], 4, 1, decode._argmax_inputs[4])
     assert torch.equal(engine.pool.kv[:, :, :scratch], before)
 
 
@@ -182,28 +183,36 @@ def test_plain_greedy_decodes_take_the_graphs_argmax(compiled_engine, prompts, m
     assert len(calls) == 1 + GREEDY.max_tokens
 
 
-def test_a_lone_sampled_decode_draws_in_the_graph(model_dir, compiled_engine, prompts, monkeypatch):
-    """A lone sampled request's decode steps draw their tokens in the size-1 graph, from noise
-    its generator draws as the sampler would: a seeded request gets the eager engine's
-    tokens, and the sampler runs for the prefill only. Two at once, or a top_p over the
-    whole vocabulary, go through the sampler every step, to the eager engine's tokens too."""
+def test_sampled_decodes_draw_in_the_graph(model_dir, compiled_engine, prompts, monkeypatch):
+    """Sampled requests' decode steps draw their tokens in the graphs, alone and batched
+    (padded, and beside a greedy request), from noise their generators draw as the sampler
+    would: seeded requests get the eager engine's tokens, and the sampler runs for the
+    prefills only. A top_p over the whole vocabulary needs the sampler: a step with such a
+    request goes through the sampler for every row, to the eager engine's tokens too."""
     calls = []
     real = engine_module.sample
     monkeypatch.setattr(
         engine_module, "sample", lambda logits, *a: calls.append(len(logits)) or real(logits, *a)
     )
     eager = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=False)
-    drawn = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=5, max_tokens=20, ignore_eos=True)
-    want = eager.generate([prompts[7]], drawn)[0].token_ids
-    calls.clear()
-    assert compiled_engine.generate([prompts[7]], drawn)[0].token_ids == want
-    assert calls == [1] and len(set(want)) > 5
-    top_p = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=20, ignore_eos=True)
-    for batch, params in (([prompts[7]], top_p), (prompts[7:9], drawn)):
+    served = served_by_graphs(compiled_engine)
+    fields = {"seed": 5, "max_tokens": 20, "ignore_eos": True}
+    drawn = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, **fields)
+    hot = SamplingParams(temperature=1.5, min_p=0.02, **{**fields, "seed": 6})
+    top_p = SamplingParams(temperature=0.8, top_p=0.95, **fields)
+    assert not top_p.graph_draw
+    for requests, in_graph in (
+        ([(prompts[7], drawn)], True),
+        ([(prompts[7], drawn), (prompts[8], hot), (prompts[2], GREEDY)], True),
+        ([(prompts[7], drawn), (prompts[8], top_p)], False),
+    ):
+        batch, params = ([r[i] for r in requests] for i in (0, 1))
+        want = [o.token_ids for o in eager.generate(batch, params)]
         calls.clear()
-        got = [o.token_ids for o in compiled_engine.generate(batch, params)]
-        assert got == [o.token_ids for o in eager.generate(batch, params)]
-        assert len(calls) >= 20
+        assert [o.token_ids for o in compiled_engine.generate(batch, params)] == want
+        assert len(set(want[0])) > 5  # drawn: not one token repeated
+        assert (len(calls) < 5) is in_graph, calls  # prefills only, or every step
+    assert {n for n, _ in served} == {1, 2, 3}
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from lmops.runtime.engine.sampling import (
     TOP_CANDIDATES,
     apply_filters,
     apply_penalties,
+    batch_draw_inputs,
     plain_draw,
     plain_draw_inputs,
     sample,
@@ -200,6 +201,37 @@ def test_the_graphs_draw_is_the_samplers_from_the_same_generator(kw):
         assert in_graph == [sample(logits, [row(params, sampler)]).token_ids[0] for _ in range(steps)]
         drawn.update(in_graph)
     assert len(drawn) > 12
+
+
+def test_a_batched_graph_draw_is_the_samplers_row_by_row():
+    """A batched decode graph draws every row at once (`batch_draw_inputs`, padded): seeded
+    rows get the sampler's tokens from the same generators, greedy and padding rows their
+    argmax whatever their noise, and unseeded rows draws of their own."""
+    g = gen(2)
+    logits = torch.cat([torch.randn(3, 4096, generator=g) * 6, torch.randn(2, 4096, generator=g) * 0.3])
+    params = [
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.7, min_p=0.01, seed=2),
+        SamplingParams(temperature=1.2, top_k=GRAPH_CANDIDATES),  # unseeded
+        SamplingParams(temperature=0.5, top_k=20, seed=3),
+    ]
+    assert all(p.graph_draw for p in params)
+    padded = torch.cat([logits, torch.randn(3, 4096, generator=g)])
+    drawn = set()
+    for step in range(4):
+        in_graph = [row(p, gen(10 * step + i)) for i, p in enumerate(params)]
+        in_graph[3].generator = None
+        knobs, top_k, noise = batch_draw_inputs(in_graph, 8, 4096, "cpu")
+        assert knobs.shape == (8, 3) and top_k.shape == (8, 1) and noise.shape == (8, 4096)
+        tokens = plain_draw(padded, knobs, top_k, noise).tolist()
+        sampler = [row(p, gen(10 * step + i)) for i, p in enumerate(params)]
+        want = [sample(logits[i : i + 1], [s]).token_ids[0] for i, s in enumerate(sampler)]
+        assert [t for i, t in enumerate(tokens[:5]) if i != 3] == [t for i, t in enumerate(want) if i != 3]
+        assert tokens[1] == int(logits[1].argmax()) and tokens[5:] == padded[5:].argmax(-1).tolist()
+        assert tokens[3] in logits[3].topk(GRAPH_CANDIDATES).indices.tolist()
+        drawn.update((tokens[0], tokens[3]))
+    assert len(drawn) > 4
 
 
 def test_a_graph_draws_only_what_its_candidates_hold():

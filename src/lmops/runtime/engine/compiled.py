@@ -1,19 +1,20 @@
 """The compiled decode step: a pure-decode batch padded up to one of a few batch sizes, each
 compiled once at engine start, so a step runs as one generated kernel sequence instead of
 a few hundred eagerly dispatched small ops (at batch 1 a decode step is mostly that
-overhead; see benchmarks/README.md). With speculative decoding, a step whose decodes
-carry drafts runs through graphs of 1 + K tokens a sequence the same way (each token sees
-its sequence's cache and, causally, the step's earlier tokens). With multi-step decoding
-(`num_scheduler_steps` S), a lone decode whose draw a graph can make (greedy, or sampled with
-temperature and the filters alone: `SamplingParams.graph_draw`) runs up to S steps in one
-graph call, each step's token the next one's input (its argmax, or its draw: the sampler's
-filters and race, in the graph, from noise drawn before the call by the request's
-generator): one call, and one pass of the Python around it, for up to S tokens. The steps
-are a loop inside the graph (`while_loop`), whose body is compiled once whatever S, and
-which runs any count up to S (a request's last few tokens too). A lone sampled decode of
-one step is such a run of one, so the sampler's dispatches leave the single stream's step.
-Any other step (prefills, mixed batches, more sequences than the largest size) takes the
-runner's eager path.
+overhead; see benchmarks/README.md). The graph makes each sequence's token too, where a
+graph can make its draw (greedy, or sampled with temperature and the filters alone:
+`SamplingParams.graph_draw`): its argmax, or its draw (the sampler's filters and race, in
+the graph, from noise drawn before the call by the request's generator, so a seeded request
+gets the sampler's tokens), so a step of such sequences, sampled ones included, runs no
+sampler dispatches. With speculative decoding, a step whose decodes carry drafts runs
+through graphs of 1 + K tokens a sequence the same way (each token sees its sequence's
+cache and, causally, the step's earlier tokens). With multi-step decoding
+(`num_scheduler_steps` S), a lone decode whose draw a graph can make runs up to S steps in
+one graph call, each step's token the next one's input: one call, and one pass of the
+Python around it, for up to S tokens. The steps are a loop inside the graph (`while_loop`),
+whose body is compiled once whatever S, and which runs any count up to S (a request's last
+few tokens too). Any other step (prefills, mixed batches, more sequences than the largest
+size) takes the runner's eager path.
 
 CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs
 for the GPU are not written yet (nothing here could test them), so CUDA stays eager.
@@ -45,7 +46,13 @@ import lmops
 from lmops import atomic
 from lmops.runtime.engine.forward import FusedForward
 from lmops.runtime.engine.kv_cache import KVPool
-from lmops.runtime.engine.sampling import SamplingParams, plain_draw, plain_draw_inputs
+from lmops.runtime.engine.sampling import (
+    GREEDY_BELOW,
+    SamplingParams,
+    batch_draw_inputs,
+    plain_draw,
+    plain_draw_inputs,
+)
 from lmops.runtime.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -138,8 +145,8 @@ class CompiledDecode:
     `num_speculative_tokens` K, also the steps that verify drafts (every sequence a decode
     with up to K draft tokens), through graphs of 1 + K tokens a sequence for the sizes of
     at most 16 tokens in all, so that single-stream speculative decoding runs compiled too;
-    a lone sampled decode through a run's graph that draws its tokens (up to S of them, with
-    `scheduler_steps` S > 1); and then a lone greedy decode's runs too."""
+    and with `scheduler_steps` S > 1, a lone decode's runs of up to S steps, greedy or
+    sampled."""
 
     def __init__(
         self,
@@ -176,7 +183,8 @@ class CompiledDecode:
         # cpp_wrapper: the code that calls the step's kernels is C++ too, not Python
         # (less per step at batch 1; benchmarks/README.md, "Inference engine").
         options = {"cpp_wrapper": True, "guard_filter_fn": lambda guards: [False] * len(guards)}
-        one_step = torch.compile(self._eager_step, fullgraph=True, options=options)
+        decode = torch.compile(self._eager_decode, fullgraph=True, options=options)
+        verify = torch.compile(self._eager_step, fullgraph=True, options=options)
         run = torch.compile(self._eager_run, fullgraph=True, options=options)
         # (Imported here: torch._dynamo takes a second to import, which an engine that
         # does not compile need not pay.)
@@ -194,13 +202,20 @@ class CompiledDecode:
             self.cache_dir,
         )
         t = time.perf_counter()
+        # A plain step's draw inputs when no row samples: every row greedy (temperature 0).
+        self._argmax_inputs = {b: batch_draw_inputs([], b, self.vocab, self.device) for b in self.sizes}
         graphs = {
-            (b, n): self._load_or_compile(one_step, b, n, f"{key}-b{b}" + f"t{n}" * (n > 1))
-            for b, n in shapes
+            (b, 1): self._load_or_compile(decode, b, 1, f"{key}-b{b}", self._argmax_inputs[b])
+            for b in self.sizes
         }
-        # A lone sequence's runs of up to S steps, by whether they draw (sampled) or take the
-        # argmax: a run of one sampled step too; greedy runs only with multi-step decoding
-        # (a lone greedy step is `graphs`' size 1).
+        graphs |= {
+            (b, self.verify_len): self._load_or_compile(
+                verify, b, self.verify_len, f"{key}-b{b}t{self.verify_len}"
+            )
+            for b in self.verify_sizes
+        }
+        # With multi-step decoding, a lone sequence's runs of up to S steps, by whether they
+        # draw (sampled) or take the argmax.
         lone = {
             s: self._load_or_compile(
                 run,
@@ -209,7 +224,7 @@ class CompiledDecode:
                 f"{key}-b1s{scheduler_steps}" + "-sampled" * s,
                 self._run_inputs(1, s),
             )
-            for s in ([True, False] if scheduler_steps > 1 else [True])
+            for s in ([True, False] if scheduler_steps > 1 else [])
         }
         # Kept on self only now: dynamo pickles what the traced method's `self` holds into a
         # graph's guards, and a compiled graph there cannot be pickled.
@@ -269,6 +284,21 @@ class CompiledDecode:
         attn = DecodeAttention(DecodeAttention.gather(self.pool.kv, tables), meta[3], groups)
         logits = self.forward.logits(self.forward(meta[0], meta[1], attn))
         return logits, logits.argmax(-1), torch.stack(attn.new_kv)
+
+    def _eager_decode(
+        self, meta, tables, knobs, top_k, noise
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A plain decode step (`_eager_step`, one token a sequence) that makes every row's
+        token too, from `batch_draw_inputs`: the argmax where every row is greedy, else
+        `plain_draw`'s (a greedy row's its argmax). A branch in the graph (`torch.cond`), so an
+        all-greedy step pays nothing for the draw."""
+        logits, argmax, kv = self._eager_step(meta, tables)
+        tokens = torch.cond(
+            (knobs[:, 0] < GREEDY_BELOW).all(),
+            lambda: argmax.clone(),  # (a branch may not return its input itself)
+            lambda: plain_draw(logits, knobs, top_k, noise),
+        )
+        return logits, tokens, kv
 
     def _eager_run(
         self, meta, tables, steps, knobs=None, top_k=None, noise=None
@@ -356,15 +386,15 @@ class CompiledDecode:
         """If this is a step it serves (every sequence a decode, with or without a draft):
         logits, one row per sequence and draft token, in the runner's order (a sequence's
         draft rows first, as RunnerOutput), and each row's token where the graph made every
-        row's (plain greedy rows: the argmax), else None in its place; for a lone
+        row's (a plain step of `graph_draws` sequences; a verifying one of greedy ones: the
+        argmax), else None in its place; for a lone
         `graph_draw` sequence's run, no logits (None) and its tokens (its lookahead's first,
         as RunnerOutput); None if it does not serve the step."""
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):
             return None
         seq = seqs[0]
-        steps, sampled = 1 + seq.lookahead, not seq.params.greedy
-        # A lookahead is the scheduler's for a lone sequence that `graph_draws` only.
-        if seq.lookahead or (len(seqs) == 1 and num_new == [1] and sampled and seq.graph_draws):
+        if seq.lookahead:  # the scheduler's, for a lone sequence that `graph_draws` only
+            steps, sampled = 1 + seq.lookahead, not seq.params.greedy
             extra = self._run_inputs(steps, sampled, seq)
             (tokens,) = self._run(seqs, self._lone[sampled], 1, self.scheduler_steps, extra)
             return None, tokens[:steps]
@@ -373,14 +403,21 @@ class CompiledDecode:
         if not sizes or len(seqs) > sizes[-1] or max(num_new) > tokens:
             return None
         size = next(b for b in sizes if b >= len(seqs))
-        logits, argmax = self._run(seqs, self._steps[size, tokens], size, tokens)
         if tokens == 1:
-            logits, argmax = logits[: len(seqs)], argmax[: len(seqs)]
-        else:
-            rows = [b * tokens + j for b, n in enumerate(num_new) for j in range(n)]
-            rows = torch.tensor(rows, device=self.device)
-            logits, argmax = logits[rows], argmax[rows]
-        return logits, argmax if all(s.params.greedy and s.graph_draws for s in seqs) else None
+            # The graph draws when it can draw for every row (else the sampler draws for all:
+            # a seeded request's generator is read once a step, wherever its draw is made).
+            draws = all(s.graph_draws for s in seqs)
+            plain = not draws or all(s.params.greedy for s in seqs)
+            extra = (
+                self._argmax_inputs[size] if plain else batch_draw_inputs(seqs, size, self.vocab, self.device)
+            )
+            logits, drawn = self._run(seqs, self._steps[size, 1], size, 1, extra)
+            return logits[: len(seqs)], drawn[: len(seqs)] if draws else None
+        logits, argmax = self._run(seqs, self._steps[size, tokens], size, tokens)
+        rows = [b * tokens + j for b, n in enumerate(num_new) for j in range(n)]
+        rows = torch.tensor(rows, device=self.device)
+        greedy = all(s.params.greedy and s.graph_draws for s in seqs)  # a draft's verdict: greedy_verdict
+        return logits[rows], argmax[rows] if greedy else None
 
 
 def _structure_key(forward: FusedForward, pool: KVPool) -> str:

@@ -458,6 +458,13 @@ def exponential_race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return probs / u.log().neg_().clamp_min_(1e-10)
 
 
+def _draw_knobs(params: SamplingParams, vocab: int) -> tuple[list[float], int]:
+    """A row's `plain_draw` knobs: [temperature, top_p, min_p] and its top_k (the vocabulary:
+    no limit)."""
+    top_k = params.top_k if 0 < params.top_k < vocab else vocab
+    return [params.temperature, params.top_p, params.min_p], top_k
+
+
 def plain_draw_inputs(
     params: SamplingParams,
     generator: torch.Generator | None,
@@ -467,26 +474,46 @@ def plain_draw_inputs(
     rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What `plain_draw` reads for `steps` draws of a `graph_draw` sampled request: (1, 3) its
-    temperature, top_p and min_p; (1, 1) its top_k (the vocabulary: no limit); (rows, vocab)
-    noise (`rows` default `steps`), its first `steps` rows uniform from its generator, the
-    numbers `race` draws over as many steps (the rest unset: a shorter run never reads them)."""
-    top_k = params.top_k if 0 < params.top_k < vocab else vocab
-    knobs = torch.tensor([[params.temperature, params.top_p, params.min_p]], device=device)
+    temperature, top_p and min_p; (1, 1) its top_k; (rows, vocab) noise (`rows` default
+    `steps`), its first `steps` rows uniform from its generator, the numbers `race` draws
+    over as many steps (the rest unset: a shorter run never reads them)."""
+    knobs, top_k = _draw_knobs(params, vocab)
     noise = torch.empty(rows or steps, vocab, device=device)
     noise[:steps].uniform_(generator=generator)
-    return knobs, torch.tensor([[top_k]], device=device), noise
+    return torch.tensor([knobs], device=device), torch.tensor([[top_k]], device=device), noise
+
+
+def batch_draw_inputs(
+    seqs: list[SampleInput], size: int, vocab: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `plain_draw` reads for one draw of each of `seqs` (`graph_draw` ones), a row each,
+    padded to `size` rows: (size, 3) knobs, (size, 1) top_k, (size, vocab) noise. A sampled
+    row's noise is the numbers `race` would draw for it (a seeded row's from its generator),
+    so the graph draws `sample`'s token; greedy and padding rows (temperature 0) read none."""
+    rows = [_draw_knobs(s.params, vocab) for s in seqs]
+    rows += [([0.0, 1.0, 0.0], vocab)] * (size - len(seqs))
+    sampled = [(i, s.generator) for i, s in enumerate(seqs) if not s.params.greedy]
+    noise = (torch.rand if any(g is None for _, g in sampled) else torch.empty)(size, vocab, device=device)
+    for i, generator in sampled:
+        if generator is not None:
+            noise[i].uniform_(generator=generator)
+    knobs = torch.tensor([knobs for knobs, _ in rows], device=device)
+    return knobs, torch.tensor([[top_k] for _, top_k in rows], device=device), noise
 
 
 def plain_draw(
     logits: torch.Tensor, knobs: torch.Tensor, top_k: torch.Tensor, u: torch.Tensor
 ) -> torch.Tensor:
-    """A sampled row's token (`SamplingParams.graph_draw`) in tensor ops alone, for a compiled
+    """Each row's token (`SamplingParams.graph_draw`) in tensor ops alone, for a compiled
     graph: `sample`'s temperature, filters and race, the filters ranking GRAPH_CANDIDATES
-    tokens with no data-dependent branch; from the same noise, `sample`'s token."""
+    tokens with no data-dependent branch; from the same noise, `sample`'s token. A greedy
+    row's (temperature 0) is its argmax, whatever its noise."""
     temperature, top_p, min_p = knobs.split(1, 1)
-    x = logits.float() / temperature
+    greedy = temperature < GREEDY_BELOW
+    x = logits.float() / temperature.masked_fill(greedy, 1.0)
     filtered = filter_logits(x, min_p, top_k, top_p, min(GRAPH_CANDIDATES, x.shape[1]), widen=False)
-    return exponential_race(filtered.softmax(-1), u).argmax(-1)
+    drawn = exponential_race(filtered.softmax(-1), u).argmax(-1)
+    return torch.where(greedy.squeeze(1), logits.argmax(-1), drawn)
 
 
 class _Ahead:
