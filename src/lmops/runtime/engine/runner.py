@@ -51,8 +51,8 @@ class RunnerOutput:
 
     logits: torch.Tensor | None  # None: a compiled run of one sequence, which keeps its tokens only
     prompt_scores: list[PromptScores]
-    # Each row's token, where the compiled graph made every row's: the logits' argmax (plain
-    # greedy rows), or a lone sampled sequence's draws.
+    # Each row's token, where the compiled graph made every row's: its argmax or draw (a plain
+    # decode step of `graph_draws` sequences), or a lone sequence's run.
     tokens: torch.Tensor | None = None
 
 
