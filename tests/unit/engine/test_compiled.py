@@ -64,8 +64,7 @@ def test_padding_rows_leave_the_managed_blocks_alone(compiled_engine, prompts):
     assert scratch == engine.block_manager.num_blocks == engine.pool.num_blocks - 1
     before = engine.pool.kv[:, :, :scratch].clone()
     with torch.inference_mode():  # as the runner calls it (another mode would recompile)
-        decode = engine.runner.decode
-        decode._run([], decode._steps[4, 1], 4, 1, decode._argmax_inputs[4])
+        engine.runner.decode._run([], engine.runner.decode._steps[4, 1], 4, 1)
     assert torch.equal(engine.pool.kv[:, :, :scratch], before)
 
 

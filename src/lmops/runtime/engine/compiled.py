@@ -1,12 +1,12 @@
 """The compiled decode step: a pure-decode batch padded up to one of a few batch sizes, each
 compiled once at engine start, so a step runs as one generated kernel sequence instead of
 a few hundred eagerly dispatched small ops (at batch 1 a decode step is mostly that
-overhead; see benchmarks/README.md). The graph makes each sequence's token too, where a
+overhead; see benchmarks/README.md). The graphs make each sequence's token too, where a
 graph can make its draw (greedy, or sampled with temperature and the filters alone:
-`SamplingParams.graph_draw`): its argmax, or its draw (the sampler's filters and race, in
-the graph, from noise drawn before the call by the request's generator, so a seeded request
-gets the sampler's tokens), so a step of such sequences, sampled ones included, runs no
-sampler dispatches. With speculative decoding, a step whose decodes carry drafts runs
+`SamplingParams.graph_draw`): the step's graph its argmax, and for sampled rows a draw
+graph after it the draw (the sampler's filters and race, from noise drawn before the call
+by the request's generator, so a seeded request gets the sampler's tokens), so a step of
+such sequences, sampled ones included, runs no sampler dispatches. With speculative decoding, a step whose decodes carry drafts runs
 through graphs of 1 + K tokens a sequence the same way (each token sees its sequence's
 cache and, causally, the step's earlier tokens). With multi-step decoding
 (`num_scheduler_steps` S), a lone decode whose draw a graph can make runs up to S steps in
@@ -46,13 +46,7 @@ import lmops
 from lmops import atomic
 from lmops.runtime.engine.forward import FusedForward
 from lmops.runtime.engine.kv_cache import KVPool
-from lmops.runtime.engine.sampling import (
-    GREEDY_BELOW,
-    SamplingParams,
-    batch_draw_inputs,
-    plain_draw,
-    plain_draw_inputs,
-)
+from lmops.runtime.engine.sampling import SamplingParams, batch_draw_inputs, plain_draw, plain_draw_inputs
 from lmops.runtime.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -183,8 +177,7 @@ class CompiledDecode:
         # cpp_wrapper: the code that calls the step's kernels is C++ too, not Python
         # (less per step at batch 1; benchmarks/README.md, "Inference engine").
         options = {"cpp_wrapper": True, "guard_filter_fn": lambda guards: [False] * len(guards)}
-        decode = torch.compile(self._eager_decode, fullgraph=True, options=options)
-        verify = torch.compile(self._eager_step, fullgraph=True, options=options)
+        one_step = torch.compile(self._eager_step, fullgraph=True, options=options)
         run = torch.compile(self._eager_run, fullgraph=True, options=options)
         # (Imported here: torch._dynamo takes a second to import, which an engine that
         # does not compile need not pay.)
@@ -202,42 +195,35 @@ class CompiledDecode:
             self.cache_dir,
         )
         t = time.perf_counter()
-        # A plain step's draw inputs when no row samples: every row greedy (temperature 0).
-        self._argmax_inputs = {b: batch_draw_inputs([], b, self.vocab, self.device) for b in self.sizes}
         graphs = {
-            (b, 1): self._load_or_compile(decode, b, 1, f"{key}-b{b}", self._argmax_inputs[b])
-            for b in self.sizes
-        }
-        graphs |= {
-            (b, self.verify_len): self._load_or_compile(
-                verify, b, self.verify_len, f"{key}-b{b}t{self.verify_len}"
+            (b, n): self._load_or_compile(
+                one_step, f"{key}-b{b}" + f"t{n}" * (n > 1), lambda b=b, n=n: self._step_inputs(b, n)
             )
-            for b in self.verify_sizes
+            for b, n in shapes
         }
         # With multi-step decoding, a lone sequence's runs of up to S steps, by whether they
         # draw (sampled) or take the argmax.
         lone = {
             s: self._load_or_compile(
                 run,
-                1,
-                scheduler_steps,
                 f"{key}-b1s{scheduler_steps}" + "-sampled" * s,
-                self._run_inputs(1, s),
+                lambda s=s: self._step_inputs(1, scheduler_steps, self._run_inputs(1, s)),
             )
             for s in ([True, False] if scheduler_steps > 1 else [])
         }
+        # The draw of a plain step's sampled rows, after its graph: one graph for any number of
+        # rows (a branch in each step's graph instead doubled the first start's compile).
+        draw = torch.compile(plain_draw, fullgraph=True, options=options)
+        self._draw = self._load_or_compile(draw, f"{key}-draw", self._draw_inputs)
         # Kept on self only now: dynamo pickles what the traced method's `self` holds into a
         # graph's guards, and a compiled graph there cannot be pickled.
         self._steps, self._lone = graphs, lone
         self.compile_seconds = time.perf_counter() - t
         log.info("compiled decode in %.1f s", self.compile_seconds)
 
-    def _load_or_compile(
-        self, compiler, size: int, tokens: int, name: str, extra: tuple = ()
-    ) -> AOTCompiledFunction:
-        """`compiler`'s graph for `size` sequences of `tokens` rows, taking `extra` inputs after
-        the step's (a run's step count and draw inputs: `_eager_run`) from the on-disk cache,
-        else compiled and saved there.
+    def _load_or_compile(self, compiler, name: str, example) -> AOTCompiledFunction:
+        """`compiler`'s graph `name` from the on-disk cache, else compiled for the inputs
+        `example()` makes (their static and symbolic dimensions marked) and saved there.
         aot_compile bypasses inductor's own cache (it compiled afresh, 30 s for the
         default model's 5 sizes, at every start); a saved graph loads in milliseconds."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
@@ -257,22 +243,14 @@ class CompiledDecode:
             except Exception as exc:  # e.g. truncated by a full disk: compile again
                 log.warning("compiled decode: ignoring unreadable cache %s: %s", path, exc)
         if step is None:
-            meta, tables = self._inputs([], size, tokens)
-            # Only the table width is symbolic. The rows and sequences are the size's own:
-            # dynamo would make them symbolic from the second size on (it marks a dimension
-            # dynamic once it has seen it change), and code for any number of rows is slower.
-            for x in (meta, *extra):
-                torch._dynamo.mark_static(x)
-            torch._dynamo.mark_static(tables, 0)
-            torch._dynamo.mark_dynamic(tables, 1)
             with torch.inference_mode():
-                step = compiler.aot_compile(((meta, tables, *extra), {}))
+                step = compiler.aot_compile((example(), {}))
             try:
                 atomic.write_bytes(path, AOTCompiledFunction.serialize(step).serialized_data)
             except OSError as exc:
                 log.warning("compiled decode: cannot cache %s: %s", path, exc)
             step.disable_guard_check()
-            return step  # not kept: a graph compiled here holds this engine (its _eager_step)
+            return step  # not kept: a step's graph compiled here holds this engine (its _eager_step)
         step.disable_guard_check()
         _LOADED[str(path)] = step
         return step
@@ -284,21 +262,6 @@ class CompiledDecode:
         attn = DecodeAttention(DecodeAttention.gather(self.pool.kv, tables), meta[3], groups)
         logits = self.forward.logits(self.forward(meta[0], meta[1], attn))
         return logits, logits.argmax(-1), torch.stack(attn.new_kv)
-
-    def _eager_decode(
-        self, meta, tables, knobs, top_k, noise
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A plain decode step (`_eager_step`, one token a sequence) that makes every row's
-        token too, from `batch_draw_inputs`: the argmax where every row is greedy, else
-        `plain_draw`'s (a greedy row's its argmax). A branch in the graph (`torch.cond`), so an
-        all-greedy step pays nothing for the draw."""
-        logits, argmax, kv = self._eager_step(meta, tables)
-        tokens = torch.cond(
-            (knobs[:, 0] < GREEDY_BELOW).all(),
-            lambda: argmax.clone(),  # (a branch may not return its input itself)
-            lambda: plain_draw(logits, knobs, top_k, noise),
-        )
-        return logits, tokens, kv
 
     def _eager_run(
         self, meta, tables, steps, knobs=None, top_k=None, noise=None
@@ -329,6 +292,33 @@ class CompiledDecode:
         start = (meta.new_zeros(1), meta[0, :1].clone(), self.pool.kv.new_zeros(shape), meta.new_zeros(S))
         _, _, ahead, tokens = while_loop(lambda j, *_: j[0] < steps, step, start)
         return tokens, ahead
+
+    def _step_inputs(self, size: int, tokens: int, extra: tuple = ()) -> tuple:
+        """A step graph's example inputs for `size` sequences of `tokens` rows, then `extra` (a
+        run's step count and draw inputs: `_eager_run`). Only the table width is symbolic. The
+        rows and sequences are the size's own: dynamo would make them symbolic from the second
+        size on (it marks a dimension dynamic once it has seen it change), and code for any
+        number of rows is slower."""
+        meta, tables = self._inputs([], size, tokens)
+        for x in (meta, *extra):
+            torch._dynamo.mark_static(x)
+        torch._dynamo.mark_static(tables, 0)
+        torch._dynamo.mark_dynamic(tables, 1)
+        return meta, tables, *extra
+
+    def _draw_inputs(self) -> tuple:
+        """The draw graph's example inputs: `plain_draw`'s (float32 logits) for a few rows, the
+        rows symbolic (at least two: a symbolic size of 1 would be specialised)."""
+        rows, device = 4, self.device
+        inputs = (
+            torch.zeros(rows, self.vocab, device=device),
+            torch.tensor([[1.0, 1.0, 0.0]] * rows, device=device),
+            torch.full((rows, 1), self.vocab, device=device),
+            torch.rand(rows, self.vocab, device=device),
+        )
+        for x in inputs:
+            torch._dynamo.mark_dynamic(x, 0)
+        return inputs
 
     def _run_inputs(self, steps: int, sampled: bool, seq: Sequence | None = None) -> tuple:
         """What a run's graph reads after the step's inputs: its step count, and a sampled
@@ -403,17 +393,16 @@ class CompiledDecode:
         if not sizes or len(seqs) > sizes[-1] or max(num_new) > tokens:
             return None
         size = next(b for b in sizes if b >= len(seqs))
-        if tokens == 1:
-            # The graph draws when it can draw for every row (else the sampler draws for all:
-            # a seeded request's generator is read once a step, wherever its draw is made).
-            draws = all(s.graph_draws for s in seqs)
-            plain = not draws or all(s.params.greedy for s in seqs)
-            extra = (
-                self._argmax_inputs[size] if plain else batch_draw_inputs(seqs, size, self.vocab, self.device)
-            )
-            logits, drawn = self._run(seqs, self._steps[size, 1], size, 1, extra)
-            return logits[: len(seqs)], drawn[: len(seqs)] if draws else None
         logits, argmax = self._run(seqs, self._steps[size, tokens], size, tokens)
+        if tokens == 1:
+            logits, argmax = logits[: len(seqs)], argmax[: len(seqs)]
+            # The graphs make every row's token or none (a seeded request's generator is read
+            # once a step, wherever its draw is made).
+            if not all(s.graph_draws for s in seqs):
+                return logits, None
+            if all(s.params.greedy for s in seqs):
+                return logits, argmax
+            return logits, self._draw(logits, *batch_draw_inputs(seqs, self.vocab, self.device))
         rows = [b * tokens + j for b, n in enumerate(num_new) for j in range(n)]
         rows = torch.tensor(rows, device=self.device)
         greedy = all(s.params.greedy and s.graph_draws for s in seqs)  # a draft's verdict: greedy_verdict

@@ -484,16 +484,17 @@ def plain_draw_inputs(
 
 
 def batch_draw_inputs(
-    seqs: list[SampleInput], size: int, vocab: int, device
+    seqs: list[SampleInput], vocab: int, device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What `plain_draw` reads for one draw of each of `seqs` (`graph_draw` ones), a row each,
-    padded to `size` rows: (size, 3) knobs, (size, 1) top_k, (size, vocab) noise. A sampled
-    row's noise is the numbers `race` would draw for it (a seeded row's from its generator),
-    so the graph draws `sample`'s token; greedy and padding rows (temperature 0) read none."""
+    """What `plain_draw` reads for one draw of each of `seqs` (`graph_draw` ones), a row each:
+    (R, 3) knobs, (R, 1) top_k, (R, vocab) noise. A sampled row's noise is the numbers `race`
+    would draw for it (a seeded row's from its generator), so the draw is `sample`'s token;
+    greedy rows (temperature 0: their argmax) read none."""
     rows = [_draw_knobs(s.params, vocab) for s in seqs]
-    rows += [([0.0, 1.0, 0.0], vocab)] * (size - len(seqs))
     sampled = [(i, s.generator) for i, s in enumerate(seqs) if not s.params.greedy]
-    noise = (torch.rand if any(g is None for _, g in sampled) else torch.empty)(size, vocab, device=device)
+    noise = (torch.rand if any(g is None for _, g in sampled) else torch.empty)(
+        len(seqs), vocab, device=device
+    )
     for i, generator in sampled:
         if generator is not None:
             noise[i].uniform_(generator=generator)
