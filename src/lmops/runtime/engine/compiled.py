@@ -6,9 +6,10 @@ graph can make its draw (greedy, or sampled with temperature and the filters alo
 `SamplingParams.graph_draw`): the step's graph its argmax, and for sampled rows a draw
 graph after it the draw (the sampler's filters and race, from noise drawn before the call
 by the request's generator, so a seeded request gets the sampler's tokens), so a step of
-such sequences, sampled ones included, runs no sampler dispatches. With speculative decoding, a step whose decodes carry drafts runs
-through graphs of 1 + K tokens a sequence the same way (each token sees its sequence's
-cache and, causally, the step's earlier tokens). With multi-step decoding
+such sequences, sampled ones included, runs no sampler dispatches. With speculative
+decoding, a step whose decodes carry drafts runs through graphs of 1 + K tokens a sequence
+the same way (each token sees its sequence's cache and, causally, the step's earlier
+tokens). With multi-step decoding
 (`num_scheduler_steps` S), a lone decode whose draw a graph can make runs up to S steps in
 one graph call, each step's token the next one's input: one call, and one pass of the
 Python around it, for up to S tokens. The steps are a loop inside the graph (`while_loop`),
@@ -212,7 +213,8 @@ class CompiledDecode:
             for s in ([True, False] if scheduler_steps > 1 else [])
         }
         # The draw of a plain step's sampled rows, after its graph: one graph for any number of
-        # rows (a branch in each step's graph instead doubled the first start's compile).
+        # rows, so the step graphs stay free of the sampler (benchmarks/README.md, "Batched
+        # sampled steps draw in a graph too").
         draw = torch.compile(plain_draw, fullgraph=True, options=options)
         self._draw = self._load_or_compile(draw, f"{key}-draw", self._draw_inputs)
         # Kept on self only now: dynamo pickles what the traced method's `self` holds into a
