@@ -125,7 +125,8 @@ def worker(
             if cpu is None and len(outs) == concurrency:  # every copy has its first token
                 cpu = time.process_time()
         cpu = time.process_time() - cpu
-        metrics = [outs[f"{i}.{j}"].metrics for j in range(concurrency)]
+        done = [outs[f"{i}.{j}"] for j in range(concurrency)]
+        metrics = [out.metrics for out in done]
         first, last = min(m.first_token_time for m in metrics), max(m.last_token_time for m in metrics)
         result = {
             "decode_tok_s": concurrency * (new - 1) / (last - first),
@@ -136,8 +137,7 @@ def worker(
         if speculative:
             drafted = value("lmops:spec_decode_num_draft_tokens_total")
             result["acceptance"] = value("lmops:spec_decode_num_accepted_tokens_total") / max(drafted, 1)
-        tokens = [outs[f"{i}.{j}"].token_ids for j in range(concurrency)]
-        print(json.dumps({**result, "tokens": tokens}), flush=True)
+        print(json.dumps({**result, "tokens": [out.token_ids for out in done]}), flush=True)
 
 
 def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int, sampling: dict, int8: bool) -> None:
