@@ -7,7 +7,8 @@
 #
 # aks: ACR_NAME, AKS_RESOURCE_GROUP, AKS_CLUSTER (+ AZURE_CLIENT_ID/SECRET/TENANT_ID
 #      for a service principal login, else the current `az login`).
-# eks: AWS_ACCOUNT_ID, AWS_REGION, EKS_CLUSTER (+ the usual AWS credentials).
+# eks: AWS_ACCOUNT_ID, AWS_REGION, EKS_CLUSTER (+ the usual AWS credentials), and for
+#      the CPU variants EFS_FILE_SYSTEM_ID (their shared compile cache; docs/deploy.md).
 # LMOPS_API_KEY creates or updates the Secret lmops-api-key; without it the Secret
 # must exist already. ROLLOUT_TIMEOUT defaults to 10m (30m with CANARY).
 # CANARY=1 deploys deploy/<cloud>/canary (Argo Rollouts): the new version gets 10 %,
@@ -104,13 +105,27 @@ if truthy "${CANARY:-}"; then
 fi
 seconds "$timeout" >/dev/null # a typo stops here, before anything is deployed
 if truthy "${GPU:-}"; then overlay=$overlay/gpu; fi
+# The CPU variants share one compile cache (deploy/compile-cache); on EKS it is an EFS file
+# system of the user's, whose id goes into the StorageClass (a placeholder in the overlay).
+efs_patch=""
+if [ "$CLOUD" = eks ] && ! truthy "${GPU:-}"; then
+  [[ "${EFS_FILE_SYSTEM_ID:-}" =~ ^fs-[0-9a-f]{8,17}$ ]] ||
+    die "set EFS_FILE_SYSTEM_ID to the EFS file system (fs-...) that holds the pods' shared compile cache, reachable by the cluster's EFS CSI driver (docs/deploy.md, \"The compile cache\"); got '${EFS_FILE_SYSTEM_ID:-}'"
+  efs_patch=$WORK/efs.yaml
+  printf 'apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata: {name: lmops-compile-cache}\nparameters: {fileSystemId: %s}\n' \
+    "$EFS_FILE_SYSTEM_ID" >"$efs_patch"
+fi
 use_cluster "$CLOUD"
 # The overlay names the image after a placeholder registry and digest; swap in the
 # pushed image, pinned by the digest its tag has now.
 placeholder=$(sed -n 's/^ *newName: *//p' "deploy/$CLOUD/cloud/kustomization.yaml")
 image=$(pinned_image "$CLOUD" "$(remote_image "$CLOUD")")
-render "$overlay" "$placeholder" "$image"
-echo "rendered $overlay with image $image" >&2
+render "$overlay" "$placeholder" "$image" "" "$efs_patch"
+if [ -n "$efs_patch" ]; then
+  grep -qE "^ +fileSystemId: $EFS_FILE_SYSTEM_ID\$" "$WORK/manifests.yaml" ||
+    die "the rendered StorageClass lmops-compile-cache does not name $EFS_FILE_SYSTEM_ID"
+fi
+echo "rendered $overlay with image $image${efs_patch:+, its compile cache on EFS $EFS_FILE_SYSTEM_ID}" >&2
 
 check_api_key_secret "$NAMESPACE"
 if [ -n "$gateway" ]; then

@@ -27,6 +27,7 @@ CLOUD_ENV = {
     "AWS_ACCOUNT_ID": "111122223333",
     "AWS_REGION": "eu-west-1",
     "EKS_CLUSTER": "test-eks",
+    "EFS_FILE_SYSTEM_ID": "fs-0123456789abcdef0",
     "AZURE_CLIENT_ID": "test-client",
     "AZURE_TENANT_ID": "test-tenant",
     "KUBECONFIG": "/nonexistent/kubeconfig",
@@ -40,6 +41,8 @@ SECRETS = {
     "LMOPS_API_KEY": "api-key-value",
     "KFP_TOKEN": "kfp-token-value",
 }
+# The kinds the overlays render that live in no namespace (the compile cache's StorageClass).
+CLUSTER_SCOPED = ("Namespace", "StorageClass")
 # Settings a developer's shell may hold that would change what the scripts do.
 UNSET = (
     "CLOUD",

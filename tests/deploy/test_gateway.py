@@ -15,7 +15,7 @@ import yaml
 from lmops.runtime.engine.config import EngineConfig
 from lmops.runtime.engine.kv_events import binds
 from production_service.app import OBJECTIVE_PRIORITY_HEADER
-from tests.deploy.conftest import REPO
+from tests.deploy.conftest import CLUSTER_SCOPED, REPO
 from tests.deploy.test_canary import render as render_text
 from tests.deploy.test_kubernetes import validate
 
@@ -64,7 +64,9 @@ def test_gateway_overlay_is_valid_and_the_plain_one_plus_the_gateway(rendered, k
         "InferenceObjective",
     }
     assert set(plain) <= set(gateway)
-    assert all(d["metadata"]["namespace"] == "lmops" for key, d in gateway.items() if key[0] != "Namespace")
+    assert all(
+        d["metadata"]["namespace"] == "lmops" for key, d in gateway.items() if key[0] not in CLUSTER_SCOPED
+    )
     for key in set(plain) - {("Deployment", "lmops"), ("Service", "lmops")}:
         assert gateway[key] == plain[key]
     # Behind the gateway the Service is internal; the pods only gain the engine label and

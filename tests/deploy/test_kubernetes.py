@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.deploy.conftest import BIN, REPO
+from tests.deploy.conftest import BIN, CLUSTER_SCOPED, REPO
 
 OVERLAYS = ["aks", "aks/gpu", "eks", "eks/gpu"]
 KUBEFLOW = [
@@ -66,6 +66,7 @@ def test_rendered_overlay_is_valid(rendered, overlay):
     proc = validate(rendered[overlay])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     kinds = {line.rsplit(": ", 1)[1].split("/")[0] for line in proc.stdout.splitlines()}
+    compile_cache = set() if overlay.endswith("gpu") else {"StorageClass", "PersistentVolumeClaim"}
     assert kinds == {
         "Namespace",
         "Service",
@@ -73,6 +74,7 @@ def test_rendered_overlay_is_valid(rendered, overlay):
         "HorizontalPodAutoscaler",
         "PodDisruptionBudget",
         "NetworkPolicy",
+        *compile_cache,
     }
 
 
@@ -159,7 +161,7 @@ def test_overlay_sets_registry_load_balancer_and_gpu(rendered, overlay):
         "eks": "service.beta.kubernetes.io/aws-load-balancer-",
     }[cloud]
     assert any(key.startswith(prefix) for key in annotations) and "/health" in annotations.values()
-    assert all(d["metadata"].get("namespace") == "lmops" for k, d in kinds.items() if k != "Namespace")
+    assert all(d["metadata"].get("namespace") == "lmops" for k, d in kinds.items() if k not in CLUSTER_SCOPED)
     limits = container["resources"]["limits"]
     if gpu:
         assert limits["nvidia.com/gpu"] == 1 and pod["nodeSelector"]
@@ -167,6 +169,50 @@ def test_overlay_sets_registry_load_balancer_and_gpu(rendered, overlay):
         assert {"name": "LMOPS_DEVICE", "value": "cuda"} in container["env"]
     else:
         assert "nvidia.com/gpu" not in limits and "nodeSelector" not in pod
+
+
+@pytest.mark.parametrize("cloud", ["aks", "eks"])
+def test_cpu_variants_share_one_compile_cache_and_gpu_ones_have_none(cloud, kubectl):
+    """Every CPU variant's pods keep inductor's whole cache on one ReadWriteMany claim of the
+    cloud's file share, owned by the pods' user; the GPU variants (eager decode) claim none."""
+    provisioner, owner = {
+        "aks": ("file.csi.azure.com", lambda sc: {"uid=10001", "gid=10001"} <= set(sc["mountOptions"])),
+        "eks": (
+            "efs.csi.aws.com",
+            lambda sc: (sc["parameters"]["uid"], sc["parameters"]["gid"]) == ("10001",) * 2,
+        ),
+    }[cloud]
+    for variant in ["", "canary", "gateway", "gateway-precise", "gpu", "canary/gpu"]:
+        overlay = f"deploy/{cloud}/{variant}".rstrip("/")
+        proc = subprocess.run(
+            [kubectl, "kustomize", overlay], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+        docs = list(yaml.safe_load_all(proc.stdout))
+        kinds = by_kind(docs)
+        (workload,) = (
+            d for d in docs if d["kind"] in ("Deployment", "Rollout") and d["metadata"]["name"] == "lmops"
+        )
+        pod = workload["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        if "gpu" in variant:
+            assert {"PersistentVolumeClaim", "StorageClass"}.isdisjoint(
+                kinds
+            ) and "TORCHINDUCTOR_CACHE_DIR" not in env
+            continue
+        claim, storage = kinds["PersistentVolumeClaim"], kinds["StorageClass"]
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"], overlay
+        assert claim["spec"]["storageClassName"] == storage["metadata"]["name"], overlay
+        assert storage["provisioner"] == provisioner and owner(storage), overlay
+        (volume,) = (
+            v["name"]
+            for v in pod["volumes"]
+            if v.get("persistentVolumeClaim", {}).get("claimName") == claim["metadata"]["name"]
+        )
+        (mount,) = (m["mountPath"] for m in container["volumeMounts"] if m["name"] == volume)
+        assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(mount + "/"), overlay
+        assert pod["securityContext"]["runAsUser"] == 10001
 
 
 def test_inference_services_serve_our_image_on_5001():

@@ -100,7 +100,7 @@ DRY_RUNS = [
         {"CLOUD": "eks"},
         [
             "aws ecr describe-images --region eu-west-1 --repository-name lmops --image-ids imageTag=0123abcd",
-            f"rendered deploy/eks with image {ECR}@{DRY_DIGEST}",
+            f"rendered deploy/eks with image {ECR}@{DRY_DIGEST}, its compile cache on EFS fs-0123456789abcdef0",
             EKS_LOGIN,
         ],
     ),
@@ -329,6 +329,12 @@ def test_dry_run_also_from_the_environment(tmp_path, kubectl):
         ("deploy.sh", {"CLOUD": "aks", "LMOPS_API_KEY": "k"}, "LMOPS_API_KEY is 1 character(s) long"),
         ("deploy.sh", {"CLOUD": "aks", "GATEWAY": "1", "CANARY": "1"}, "GATEWAY=1 cannot be combined"),
         ("deploy.sh", {"CLOUD": "eks", "GATEWAY": "1", "GPU": "1"}, "GATEWAY=1 cannot be combined"),
+        (
+            "deploy.sh",
+            {"CLOUD": "eks", "EFS_FILE_SYSTEM_ID": ""},
+            "set EFS_FILE_SYSTEM_ID to the EFS file system",
+        ),
+        ("deploy.sh", {"CLOUD": "eks", "EFS_FILE_SYSTEM_ID": "fs-x; rm -rf /"}, "got 'fs-x; rm -rf /'"),
     ],
 )
 def test_missing_or_wrong_settings_stop_with_a_clear_message(script, env, message, tmp_path, kubectl):

@@ -4,6 +4,8 @@ to eager where it does not apply."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,6 +120,8 @@ def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp
     first = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
     saved = list((tmp_path / "lmops-decode").glob("*-b1.bin"))
     assert len(saved) == 1
+    graphs = len(list((tmp_path / "lmops-decode").glob("*.bin")))
+    assert first.runner.decode.graphs_compiled == graphs
     batch = [prompts[3]]
     expected = [o.token_ids for o in first.generate(batch, GREEDY)]
 
@@ -132,8 +136,10 @@ def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp
 
     monkeypatch.setattr(compiled_module.torch, "compile", NoCompile)
     monkeypatch.setattr(compiled_module, "_LOADED", {})  # what this process loaded before
-    second = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
-    assert second.runner.decode is not None
+    with caplog.at_level(logging.INFO, logger=compiled_module.log.name):
+        second = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
+    assert second.runner.decode.graphs_compiled == 0
+    assert f"({graphs} graphs: {graphs} loaded from the cache, 0 compiled)" in caplog.text
     assert [o.token_ids for o in second.generate(batch, GREEDY)] == expected
     # A loaded graph is loaded once per process (each load keeps its code for good): a
     # new version of the model, swapped in, calls the same one.
@@ -146,6 +152,7 @@ def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp
     saved[0].write_bytes(b"not a graph")
     third = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
     assert "ignoring unreadable cache" in caplog.text
+    assert third.runner.decode.graphs_compiled == 1
     assert [o.token_ids for o in third.generate(batch, GREEDY)] == expected
     assert saved[0].stat().st_size > 1000
 
