@@ -143,9 +143,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     PORT=5001 \
     LMOPS_PROBE_PORT=5002 \
     LMOPS_MODEL_DIR=/app/production_service/model
+# /var/cache/lmops: where a compile cache shared across containers is mounted (compose's
+# named volume, which starts as a copy of this directory and so is the service user's; the
+# Kubernetes overlays' claim: docs/deploy.md, "The compile cache").
 RUN groupadd --system --gid 10001 lmops \
     && useradd --system --uid 10001 --gid lmops --no-create-home \
-       --home-dir /nonexistent --shell /usr/sbin/nologin lmops
+       --home-dir /nonexistent --shell /usr/sbin/nologin lmops \
+    && install --directory --owner 10001 --group 10001 --mode 700 /var/cache/lmops
 COPY --from=build /opt/python /opt/python
 COPY --from=build /opt/venv /opt/venv
 WORKDIR /app

@@ -30,9 +30,11 @@ READY_TIMEOUT=300 # as the startupProbe (k8s-deployment.yml): a first start comp
 export IMAGE_TAG="image-test"
 image=lmops:$IMAGE_TAG
 containers=()
+compile_cache=""
 cleanup() {
   local container
   for container in "${containers[@]}"; do $engine rm --force "$container" >/dev/null 2>&1 || true; done
+  if [ -n "$compile_cache" ]; then $engine volume rm --force "$compile_cache" >/dev/null 2>&1 || true; fi
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -250,11 +252,13 @@ print("image-test: the serving image holds the runtime half only")
 # Compiled for one sequence (LMOPS_MAX_NUM_SEQS=1): its step and multi-step runs and the
 # draw, what a lone request decodes through, in 4 graphs of the 8 a default engine compiles
 # at start, since .ci/run builds and serves this image beside the test suite, on the same
-# cores. Into a compile cache on a volume owned by the service's user, as the CPU overlays'
-# shared claim (deploy/compile-cache): the first container compiles, the second (another
-# pod on the claim) loads every graph.
-mkdir "$WORK/compile-cache" && chown 10001:10001 "$WORK/compile-cache" && chmod 700 "$WORK/compile-cache"
-shared_cache=(--volume "$WORK/compile-cache:/var/cache/lmops" --env TORCHINDUCTOR_CACHE_DIR=/var/cache/lmops/inductor)
+# cores. Into a compile cache on a named volume at /var/cache/lmops, as compose mounts it
+# (the volume starts as the image's directory, the service user's) and as the CPU overlays
+# mount their shared claim (deploy/compile-cache): the first container compiles, the second
+# (another replica on the same volume) loads every graph.
+compile_cache=lmops-image-test-$$-compile-cache
+$engine volume create "$compile_cache" >/dev/null
+shared_cache=(--volume "$compile_cache:/var/cache/lmops" --env TORCHINDUCTOR_CACHE_DIR=/var/cache/lmops/inductor)
 serve baked compiled --env LMOPS_MAX_NUM_SEQS=1 "${shared_cache[@]}"
 serve baked loaded --env LMOPS_MAX_NUM_SEQS=1 "${shared_cache[@]}"
 serve mounted eager --env LMOPS_COMPILE=0 --cpus 1 --volume "$WORK/mounted-model:/app/production_service/model:ro"

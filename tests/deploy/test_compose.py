@@ -44,6 +44,9 @@ def test_stack_tracking_server_then_service_on_5001_and_a_gpu_profile():
         assert service["depends_on"]["mlflow"]["condition"] == "service_healthy"
         assert service["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
         assert service["read_only"] is True and "/tmp" in service["tmpfs"]
+        # the decode graphs' compile cache outlives the container (the image test runs it)
+        assert "compile-cache:/var/cache/lmops" in service["volumes"]
+        assert service["environment"]["TORCHINDUCTOR_CACHE_DIR"].startswith("/var/cache/lmops/")
         # loopback unless told otherwise: no key is the default
         assert [p for p in service["ports"] if p.endswith(":5001")][0].startswith("${LMOPS_BIND:-127.0.0.1}:")
     assert "${LMOPS_BIND:-127.0.0.1}:${LMOPS_PORT:-5001}:5001" in cpu["ports"]
