@@ -115,13 +115,16 @@ def test_compiled_int8_matches_eager_int8(model_dir, prompts):
 
 def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp_path, caplog):
     """A second engine loads the first one's graphs without compiling; an unreadable cache
-    file is compiled afresh (with a warning) and replaced."""
+    file is compiled afresh (with a warning) and replaced. Everything is under
+    TORCHINDUCTOR_CACHE_DIR, so a cache shared by pods serves a new one whole."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     first = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
     saved = list((tmp_path / "lmops-decode").glob("*-b1.bin"))
     assert len(saved) == 1
     graphs = len(list((tmp_path / "lmops-decode").glob("*.bin")))
     assert first.runner.decode.graphs_compiled == graphs
+    # inductor's precompiled headers sit beside them (a new container's /tmp has none)
+    assert list((tmp_path / "precompiled_headers").glob("*.h.gch"))
     batch = [prompts[3]]
     expected = [o.token_ids for o in first.generate(batch, GREEDY)]
 

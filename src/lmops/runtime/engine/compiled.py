@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import sys
 import time
@@ -184,13 +185,15 @@ class CompiledDecode:
         # does not compile need not pay.)
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        self.cache_dir = Path(cache_dir()) / "lmops-decode"
+        inductor_cache = Path(cache_dir())
+        self.cache_dir = inductor_cache / "lmops-decode"
+        _keep_precompiled_headers_in(inductor_cache)
         key = _structure_key(forward, pool)
         shapes = [(b, 1) for b in self.sizes] + [(b, self.verify_len) for b in self.verify_sizes]
         self.scheduler_steps = scheduler_steps
         log.info(
             "compiling decode for (batch size, tokens) %s and runs of up to %d steps of one sequence "
-            "(on 2 CPU cores: 50-90 s the first time, 2-3 s from %s after that; LMOPS_COMPILE=0 skips it)",
+            "(on 2 CPU cores: 50-100 s the first time, 1-3 s from %s after that; LMOPS_COMPILE=0 skips it)",
             shapes,
             scheduler_steps,
             self.cache_dir,
@@ -418,6 +421,22 @@ class CompiledDecode:
         rows = torch.tensor(rows, device=self.device)
         greedy = all(s.params.greedy and s.graph_draws for s in seqs)  # a draft's verdict: greedy_verdict
         return logits[rows], argmax[rows] if greedy else None
+
+
+def _keep_precompiled_headers_in(directory: Path) -> None:
+    """Keep inductor's precompiled C++ headers in `directory`. It builds them (about 150 MB)
+    when it compiles a graph and looks for them when it loads one, in
+    $TMPDIR/torchinductor_<user> whatever TORCHINDUCTOR_CACHE_DIR says (torch 2.13's
+    `codecache._HEADER_DIR`): in a new container /tmp is empty, so every start built them
+    again, 4.1 s of the 4.7 s that loading the default model's 8 graphs took. Beside the
+    graphs, a compile cache shared by pods (docs/deploy.md) carries them too, built under
+    inductor's file lock there."""
+    from torch._inductor import codecache
+
+    headers = str(directory / "precompiled_headers")
+    if headers != codecache._HEADER_DIR:
+        codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = headers, os.path.join(headers, "locks")
+        codecache._precompile_header.cache_clear()  # it memoises the paths it returned
 
 
 def _structure_key(forward: FusedForward, pool: KVPool) -> str:
