@@ -29,6 +29,9 @@
 # endpoint wants a bearer token. KUBEFLOW_NAMESPACE: the profile namespace
 # (default kubeflow-user-example-com). LMOPS_API_KEY as for deploy/deploy.sh.
 #
+# COMPILE_CACHE_CLAIM (deploy, CPU): a ReadWriteMany claim in the namespace that the pods keep
+# their compile cache on, so only the first one compiles (Knative's PVC features must be on;
+# docs/deploy.md).
 # CANARY=1: KServe's canaryTrafficPercent sends CANARY_PERCENT (default 10) % of the
 # traffic to the new revision and the rest to the previous one; then the analysis of
 # deploy/canary (the queries, margins and limits Argo Rollouts uses on AKS/EKS, run by
@@ -104,16 +107,42 @@ case "$action" in
     fi
     manifest=kubeflow/inferenceservice.yaml
     if truthy "${GPU:-}"; then manifest=kubeflow/inferenceservice-gpu.yaml; fi
-    patch=""
+    # JSON patch operations on the predictor (a strategic merge would replace its lists).
+    patch=$WORK/predictor.yaml
+    : >"$patch"
     if truthy "${CANARY:-}"; then
       : "${PROMETHEUS_URL:?set PROMETHEUS_URL, the Prometheus scraping the InferenceService, for the canary analysis}"
       percent=${CANARY_PERCENT:-10}
       [[ "$percent" =~ ^[1-9][0-9]?$ ]] || die "CANARY_PERCENT must be 1 to 99 (got '$percent')"
-      patch=$WORK/canary.yaml
-      printf '%s\n' "apiVersion: serving.kserve.io/v1beta1" "kind: InferenceService" "metadata: {name: lmops}" \
-        "spec: {predictor: {canaryTrafficPercent: $percent}}" >"$patch"
+      echo "- {op: replace, path: /spec/predictor/canaryTrafficPercent, value: $percent}" >>"$patch"
     fi
-    render "$manifest" lmops "$image" "$namespace" "$patch"
+    # COMPILE_CACHE_CLAIM: a ReadWriteMany claim in the namespace for the decode graphs'
+    # compile cache, so that only the first pod compiles (docs/deploy.md, "The compile cache").
+    claim=${COMPILE_CACHE_CLAIM:-}
+    if [ -n "$claim" ]; then
+      ! truthy "${GPU:-}" || die "COMPILE_CACHE_CLAIM is for the CPU InferenceService: the GPU one decodes eagerly (unset COMPILE_CACHE_CLAIM or GPU)"
+      [[ "$claim" =~ ^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$ ]] ||
+        die "COMPILE_CACHE_CLAIM must name a PersistentVolumeClaim in $namespace (lowercase letters, digits and '-'), got '$claim'"
+      printf '%s\n' \
+        "- {op: add, path: /spec/predictor/containers/0/env/-, value: {name: TORCHINDUCTOR_CACHE_DIR, value: /var/cache/lmops/inductor}}" \
+        "- {op: add, path: /spec/predictor/containers/0/volumeMounts/-, value: {name: compile-cache, mountPath: /var/cache/lmops}}" \
+        "- {op: add, path: /spec/predictor/volumes/-, value: {name: compile-cache, persistentVolumeClaim: {claimName: $claim}}}" \
+        >>"$patch"
+    fi
+    if [ ! -s "$patch" ]; then patch=""; fi
+    render "$manifest" lmops "$image" "$namespace" "$patch" InferenceService/lmops
+    rendered="rendered $manifest with image $image"
+    if truthy "${CANARY:-}"; then
+      grep -qE "^ +canaryTrafficPercent: $percent\$" "$WORK/manifests.yaml" ||
+        die "the rendered InferenceService does not give the new revision $percent % of the traffic"
+      rendered+=", $percent % of the traffic to the new revision"
+    fi
+    if [ -n "$claim" ]; then
+      grep -qE "^ +claimName: $claim\$" "$WORK/manifests.yaml" ||
+        die "the rendered InferenceService does not mount the claim $claim"
+      rendered+=", its compile cache on the claim $claim"
+    fi
+    echo "$rendered" >&2
     use_cluster kubeflow
     check_api_key_secret "$namespace"
     run kubectl apply --filename "$WORK/manifests.yaml"
@@ -122,10 +151,10 @@ case "$action" in
     if ! run kubectl --namespace "$namespace" wait inferenceservice/lmops \
       --for=condition=Ready --timeout="${ROLLOUT_TIMEOUT:-15m}"; then
       run kubectl --namespace "$namespace" describe inferenceservice lmops
-      if [ -n "$patch" ]; then traffic 0; fi
+      if truthy "${CANARY:-}"; then traffic 0; fi
       die "InferenceService lmops did not become Ready with $image: the previous revision keeps serving"
     fi
-    if [ -n "$patch" ]; then canary_release; fi
+    if truthy "${CANARY:-}"; then canary_release; fi
     ;;
   train)
     LMOPS_API_KEY="" render kubeflow/trainjob.yaml lmops "$image" "$namespace"

@@ -213,13 +213,14 @@ use_cluster() {
   esac
 }
 
-# render SOURCE FROM TO [NAMESPACE [PATCH]]: SOURCE (a kustomization folder or one
+# render SOURCE FROM TO [NAMESPACE [PATCH [TARGET]]]: SOURCE (a kustomization folder or one
 # manifest file) with the image named FROM replaced by TO (name:tag or name@digest), moved to
-# NAMESPACE when given, PATCH (a file, a strategic merge patch) applied, plus the
+# NAMESPACE when given, PATCH (a file: a strategic merge patch, or with TARGET, KIND/NAME, a
+# JSON patch of that object, which a custom resource's lists need) applied, plus the
 # Secret lmops-api-key when LMOPS_API_KEY is set. Writes $WORK/manifests.yaml and
 # validates it (deploy/validate.py).
 render() {
-  local source=$1 from=$2 to=$3 namespace=${4:-} patch=${5:-} dir="$WORK/render"
+  local source=$1 from=$2 to=$3 namespace=${4:-} patch=${5:-} target=${6:-} dir="$WORK/render"
   rm -rf "$dir" && mkdir -p "$dir"
   if [ -d "$source" ]; then
     source=$(python -c 'import os, sys; print(os.path.relpath(*sys.argv[1:]))' "$source" "$dir")
@@ -237,7 +238,7 @@ render() {
     esac
     if [ -n "$patch" ]; then
       cp "$patch" "$dir/patch.yaml"
-      echo "patches: [{path: patch.yaml}]"
+      echo "patches: [{path: patch.yaml${target:+, target: {kind: ${target%/*}, name: ${target#*/}\}}}]"
     fi
     if [ -n "${LMOPS_API_KEY:-}" ]; then
       (umask 077 && printf '%s' "$LMOPS_API_KEY" >"$dir/api-key")

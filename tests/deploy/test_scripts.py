@@ -179,14 +179,30 @@ DRY_RUNS = [
     (
         "kubeflow.sh",
         ("deploy",),
-        {"CANARY": "true", "PROMETHEUS_URL": "http://prometheus.invalid:9090"},
+        {"CANARY": "true", "PROMETHEUS_URL": "http://prometheus.invalid:9090", "CANARY_PERCENT": "25"},
         [
+            "rendered kubeflow/inferenceservice.yaml with image",
+            ", 25 % of the traffic to the new revision\n",
             "kubectl apply --filename",
             "wait inferenceservice/lmops --for=condition=Ready",
             "get inferenceservice lmops --output jsonpath=",
             "python deploy/canary_analysis.py --prometheus http://prometheus.invalid:9090",
             "--arg canary-hash=CANARY_REVISION --arg stable-hash=STABLE_REVISION",
             '--patch \\{\\"spec\\":\\{\\"predictor\\":\\{\\"canaryTrafficPercent\\":100',
+        ],
+    ),
+    (
+        "kubeflow.sh",
+        ("deploy",),
+        {
+            "COMPILE_CACHE_CLAIM": "lmops-compile-cache",
+            "CANARY": "1",
+            "PROMETHEUS_URL": "http://p.invalid:9090",
+        },
+        [
+            ", 10 % of the traffic to the new revision, its compile cache on the claim lmops-compile-cache",
+            "wait inferenceservice/lmops --for=condition=Ready",
+            "python deploy/canary_analysis.py --prometheus http://p.invalid:9090",
         ],
     ),
     (
@@ -335,10 +351,17 @@ def test_dry_run_also_from_the_environment(tmp_path, kubectl):
             "set EFS_FILE_SYSTEM_ID to the EFS file system",
         ),
         ("deploy.sh", {"CLOUD": "eks", "EFS_FILE_SYSTEM_ID": "fs-x; rm -rf /"}, "got 'fs-x; rm -rf /'"),
+        (
+            "kubeflow.sh deploy",
+            {"COMPILE_CACHE_CLAIM": "cache", "GPU": "1"},
+            "COMPILE_CACHE_CLAIM is for the CPU",
+        ),
+        ("kubeflow.sh deploy", {"COMPILE_CACHE_CLAIM": "Cache/x"}, "must name a PersistentVolumeClaim"),
     ],
 )
 def test_missing_or_wrong_settings_stop_with_a_clear_message(script, env, message, tmp_path, kubectl):
-    proc = run_script(script, "--dry-run", path_prefix=stand_ins(tmp_path / "bin", kubectl), **env)
+    name, *action = script.split()
+    proc = run_script(name, "--dry-run", *action, path_prefix=stand_ins(tmp_path / "bin", kubectl), **env)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "printed, not run" not in proc.stderr  # the dry run stopped: it printed not all of it
 
