@@ -29,9 +29,9 @@
 # endpoint wants a bearer token. KUBEFLOW_NAMESPACE: the profile namespace
 # (default kubeflow-user-example-com). LMOPS_API_KEY as for deploy/deploy.sh.
 #
-# COMPILE_CACHE_CLAIM (deploy, CPU): a ReadWriteMany claim in the namespace that the pods keep
-# their compile cache on, so only the first one compiles (Knative's PVC features must be on;
-# docs/deploy.md).
+# COMPILE_CACHE_CLAIM (deploy, CPU or LLM=1): a ReadWriteMany claim in the namespace that
+# the pods keep their compile cache on, so only the first one compiles (for the
+# InferenceService, Knative's PVC features must be on; docs/deploy.md).
 # CANARY=1: KServe's canaryTrafficPercent sends CANARY_PERCENT (default 10) % of the
 # traffic to the new revision and the rest to the previous one; then the analysis of
 # deploy/canary (the queries, margins and limits Argo Rollouts uses on AKS/EKS, run by
@@ -90,13 +90,38 @@ canary_release() {
   fi
 }
 
+# compile_cache_ops POD: JSON patch operations that mount COMPILE_CACHE_CLAIM, a ReadWriteMany
+# claim in the namespace, as the compile cache of the pod spec at POD (its first container),
+# so that only the first pod compiles its decode graphs (docs/deploy.md, "The compile cache").
+compile_cache_ops() {
+  [[ "$COMPILE_CACHE_CLAIM" =~ ^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$ ]] ||
+    die "COMPILE_CACHE_CLAIM must name a PersistentVolumeClaim in $namespace (lowercase letters, digits and '-'), got '$COMPILE_CACHE_CLAIM'"
+  printf '%s\n' \
+    "- {op: add, path: $1/containers/0/env/-, value: {name: TORCHINDUCTOR_CACHE_DIR, value: /var/cache/lmops/inductor}}" \
+    "- {op: add, path: $1/containers/0/volumeMounts/-, value: {name: compile-cache, mountPath: /var/cache/lmops}}" \
+    "- {op: add, path: $1/volumes/-, value: {name: compile-cache, persistentVolumeClaim: {claimName: $COMPILE_CACHE_CLAIM}}}"
+}
+
+# claim_rendered: fails unless the rendered manifests mount COMPILE_CACHE_CLAIM (when set).
+claim_rendered() {
+  [ -z "${COMPILE_CACHE_CLAIM:-}" ] || grep -qE "^ +claimName: $COMPILE_CACHE_CLAIM\$" "$WORK/manifests.yaml" ||
+    die "the rendered manifests do not mount the claim $COMPILE_CACHE_CLAIM"
+}
+
 case "$action" in
   deploy)
+    # JSON patch operations on the pods' template (a strategic merge would replace the
+    # custom resources' lists).
+    patch=$WORK/pods.yaml
+    : >"$patch"
     if truthy "${LLM:-}"; then
       if truthy "${GPU:-}" || truthy "${CANARY:-}"; then
         die "LLM=1 cannot be combined with GPU or CANARY: kubeflow/llminferenceservice.yaml is its own (unset GPU and CANARY, or LLM)"
       fi
-      render kubeflow/llminferenceservice.yaml lmops "$image" "$namespace"
+      if [ -n "${COMPILE_CACHE_CLAIM:-}" ]; then compile_cache_ops /spec/template >"$patch"; else patch=""; fi
+      render kubeflow/llminferenceservice.yaml lmops "$image" "$namespace" "$patch" LLMInferenceServiceConfig/lmops-runtime
+      claim_rendered
+      echo "rendered kubeflow/llminferenceservice.yaml with image $image${COMPILE_CACHE_CLAIM:+, its compile cache on the claim $COMPILE_CACHE_CLAIM}" >&2
       use_cluster kubeflow
       check_api_key_secret "$namespace"
       run kubectl apply --filename "$WORK/manifests.yaml"
@@ -107,27 +132,15 @@ case "$action" in
     fi
     manifest=kubeflow/inferenceservice.yaml
     if truthy "${GPU:-}"; then manifest=kubeflow/inferenceservice-gpu.yaml; fi
-    # JSON patch operations on the predictor (a strategic merge would replace its lists).
-    patch=$WORK/predictor.yaml
-    : >"$patch"
     if truthy "${CANARY:-}"; then
       : "${PROMETHEUS_URL:?set PROMETHEUS_URL, the Prometheus scraping the InferenceService, for the canary analysis}"
       percent=${CANARY_PERCENT:-10}
       [[ "$percent" =~ ^[1-9][0-9]?$ ]] || die "CANARY_PERCENT must be 1 to 99 (got '$percent')"
       echo "- {op: replace, path: /spec/predictor/canaryTrafficPercent, value: $percent}" >>"$patch"
     fi
-    # COMPILE_CACHE_CLAIM: a ReadWriteMany claim in the namespace for the decode graphs'
-    # compile cache, so that only the first pod compiles (docs/deploy.md, "The compile cache").
-    claim=${COMPILE_CACHE_CLAIM:-}
-    if [ -n "$claim" ]; then
+    if [ -n "${COMPILE_CACHE_CLAIM:-}" ]; then
       ! truthy "${GPU:-}" || die "COMPILE_CACHE_CLAIM is for the CPU InferenceService: the GPU one decodes eagerly (unset COMPILE_CACHE_CLAIM or GPU)"
-      [[ "$claim" =~ ^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$ ]] ||
-        die "COMPILE_CACHE_CLAIM must name a PersistentVolumeClaim in $namespace (lowercase letters, digits and '-'), got '$claim'"
-      printf '%s\n' \
-        "- {op: add, path: /spec/predictor/containers/0/env/-, value: {name: TORCHINDUCTOR_CACHE_DIR, value: /var/cache/lmops/inductor}}" \
-        "- {op: add, path: /spec/predictor/containers/0/volumeMounts/-, value: {name: compile-cache, mountPath: /var/cache/lmops}}" \
-        "- {op: add, path: /spec/predictor/volumes/-, value: {name: compile-cache, persistentVolumeClaim: {claimName: $claim}}}" \
-        >>"$patch"
+      compile_cache_ops /spec/predictor >>"$patch"
     fi
     if [ ! -s "$patch" ]; then patch=""; fi
     render "$manifest" lmops "$image" "$namespace" "$patch" InferenceService/lmops
@@ -137,12 +150,8 @@ case "$action" in
         die "the rendered InferenceService does not give the new revision $percent % of the traffic"
       rendered+=", $percent % of the traffic to the new revision"
     fi
-    if [ -n "$claim" ]; then
-      grep -qE "^ +claimName: $claim\$" "$WORK/manifests.yaml" ||
-        die "the rendered InferenceService does not mount the claim $claim"
-      rendered+=", its compile cache on the claim $claim"
-    fi
-    echo "$rendered" >&2
+    claim_rendered
+    echo "$rendered${COMPILE_CACHE_CLAIM:+, its compile cache on the claim $COMPILE_CACHE_CLAIM}" >&2
     use_cluster kubeflow
     check_api_key_secret "$namespace"
     run kubectl apply --filename "$WORK/manifests.yaml"

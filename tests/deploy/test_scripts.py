@@ -168,6 +168,15 @@ DRY_RUNS = [
     (
         "kubeflow.sh",
         ("deploy",),
+        {"LLM": "1", "COMPILE_CACHE_CLAIM": "lmops-compile-cache"},
+        [
+            "rendered kubeflow/llminferenceservice.yaml with image",
+            ", its compile cache on the claim lmops-compile-cache",
+        ],
+    ),
+    (
+        "kubeflow.sh",
+        ("deploy",),
         {"LLM": "1"},
         [
             "LLMInferenceServiceConfig/lmops-runtime",
