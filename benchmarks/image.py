@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import RESULTS, cpu_description, write_results  # noqa: E402
 from load import Tally, http_client, prompts, run_clients, summary  # noqa: E402
 
-# LMOPS_COMPILE, and whether the container keeps its graphs in the shared compile cache; in
-# start order (the cached one starts once the compiled one has filled the cache).
-MODES = {"compiled": ("1", True), "cached": ("1", True), "eager": ("0", False)}
+# LMOPS_COMPILE (a compiling container keeps its graphs in the shared compile cache); in start
+# order (the cached one starts once the compiled one has filled the cache).
+MODES = {"compiled": "1", "cached": "1", "eager": "0"}
 CACHE_DIR = "/var/cache/lmops"
 # podman without CAP_SYS_RESOURCE cannot raise its defaults (deploy/image_test.sh); docker
 # takes them too.
@@ -50,8 +50,8 @@ def container_engine() -> str:
 
 
 def serve(engine: str, image: str, model: Path, mode: str, cache: str) -> tuple[str, str, float]:
-    """Start the image on `model` in `mode`, with the volume `cache` as its compile cache where
-    the mode keeps one; its name, URL and seconds to /ready."""
+    """Start the image on `model` in `mode`, with the volume `cache` as its compile cache when
+    it compiles; its name, URL and seconds to /ready."""
     name = f"lmops-bench-image-{os.getpid()}-{mode}"
     started = time.monotonic()
     run = [engine, "run", "--detach", "--name", name, "--read-only", "--tmpfs", "/tmp:rw,mode=1777"]
@@ -62,10 +62,9 @@ def serve(engine: str, image: str, model: Path, mode: str, cache: str) -> tuple[
         "--volume",
         f"{model.resolve()}:/app/production_service/model:ro",
     ]
-    compile_flag, shared = MODES[mode]
-    if shared:
+    if MODES[mode] == "1":
         run += ["--volume", f"{cache}:{CACHE_DIR}", "--env", f"TORCHINDUCTOR_CACHE_DIR={CACHE_DIR}/inductor"]
-    subprocess.run([*run, "--env", f"LMOPS_COMPILE={compile_flag}", image], check=True, capture_output=True)
+    subprocess.run([*run, "--env", f"LMOPS_COMPILE={MODES[mode]}", image], check=True, capture_output=True)
     port = subprocess.run([engine, "port", name, "5001"], check=True, capture_output=True, text=True)
     url = "http://" + port.stdout.split()[0].replace("0.0.0.0", "127.0.0.1")
     while time.monotonic() - started < READY_TIMEOUT_S:

@@ -121,10 +121,7 @@ use_cluster "$CLOUD"
 placeholder=$(sed -n 's/^ *newName: *//p' "deploy/$CLOUD/cloud/kustomization.yaml")
 image=$(pinned_image "$CLOUD" "$(remote_image "$CLOUD")")
 render "$overlay" "$placeholder" "$image" "" "$efs_patch"
-if [ -n "$efs_patch" ]; then
-  grep -qE "^ +fileSystemId: $EFS_FILE_SYSTEM_ID\$" "$WORK/manifests.yaml" ||
-    die "the rendered StorageClass lmops-compile-cache does not name $EFS_FILE_SYSTEM_ID"
-fi
+if [ -n "$efs_patch" ]; then rendered_field fileSystemId "$EFS_FILE_SYSTEM_ID"; fi
 echo "rendered $overlay with image $image${efs_patch:+, its compile cache on EFS $EFS_FILE_SYSTEM_ID}" >&2
 
 check_api_key_secret "$NAMESPACE"

@@ -102,12 +102,6 @@ compile_cache_ops() {
     "- {op: add, path: $1/volumes/-, value: {name: compile-cache, persistentVolumeClaim: {claimName: $COMPILE_CACHE_CLAIM}}}"
 }
 
-# claim_rendered: fails unless the rendered manifests mount COMPILE_CACHE_CLAIM (when set).
-claim_rendered() {
-  [ -z "${COMPILE_CACHE_CLAIM:-}" ] || grep -qE "^ +claimName: $COMPILE_CACHE_CLAIM\$" "$WORK/manifests.yaml" ||
-    die "the rendered manifests do not mount the claim $COMPILE_CACHE_CLAIM"
-}
-
 case "$action" in
   deploy)
     # JSON patch operations on the pods' template (a strategic merge would replace the
@@ -120,7 +114,7 @@ case "$action" in
       fi
       if [ -n "${COMPILE_CACHE_CLAIM:-}" ]; then compile_cache_ops /spec/template >"$patch"; else patch=""; fi
       render kubeflow/llminferenceservice.yaml lmops "$image" "$namespace" "$patch" LLMInferenceServiceConfig/lmops-runtime
-      claim_rendered
+      if [ -n "${COMPILE_CACHE_CLAIM:-}" ]; then rendered_field claimName "$COMPILE_CACHE_CLAIM"; fi
       echo "rendered kubeflow/llminferenceservice.yaml with image $image${COMPILE_CACHE_CLAIM:+, its compile cache on the claim $COMPILE_CACHE_CLAIM}" >&2
       use_cluster kubeflow
       check_api_key_secret "$namespace"
@@ -146,11 +140,10 @@ case "$action" in
     render "$manifest" lmops "$image" "$namespace" "$patch" InferenceService/lmops
     rendered="rendered $manifest with image $image"
     if truthy "${CANARY:-}"; then
-      grep -qE "^ +canaryTrafficPercent: $percent\$" "$WORK/manifests.yaml" ||
-        die "the rendered InferenceService does not give the new revision $percent % of the traffic"
+      rendered_field canaryTrafficPercent "$percent"
       rendered+=", $percent % of the traffic to the new revision"
     fi
-    claim_rendered
+    if [ -n "${COMPILE_CACHE_CLAIM:-}" ]; then rendered_field claimName "$COMPILE_CACHE_CLAIM"; fi
     echo "$rendered${COMPILE_CACHE_CLAIM:+, its compile cache on the claim $COMPILE_CACHE_CLAIM}" >&2
     use_cluster kubeflow
     check_api_key_secret "$namespace"

@@ -213,6 +213,12 @@ use_cluster() {
   esac
 }
 
+# rendered_field FIELD VALUE: fails unless the rendered manifests ($WORK/manifests.yaml) have
+# a line `FIELD: VALUE`: the check that a patch took.
+rendered_field() {
+  grep -qE "^ +$1: $2\$" "$WORK/manifests.yaml" || die "the rendered manifests do not set $1 to $2"
+}
+
 # render SOURCE FROM TO [NAMESPACE [PATCH [TARGET]]]: SOURCE (a kustomization folder or one
 # manifest file) with the image named FROM replaced by TO (name:tag or name@digest), moved to
 # NAMESPACE when given, PATCH (a file: a strategic merge patch, or with TARGET, KIND/NAME, a
