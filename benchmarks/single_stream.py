@@ -2,7 +2,7 @@
 a baseline commit, in one run.
 
     python benchmarks/single_stream.py [--baseline REV] [--threads 1 2] [--rounds 7] [--speculative 4]
-        [--scheduler-steps 4] [--draft-model target|tiny] [--model DIR --prompts-from TEXT [--num-prompts 8]] [--int8]
+        [--scheduler-steps 4] [--draft-model target|tiny|DIR] [--model DIR --prompts-from TEXT [--num-prompts 8]] [--int8]
         [--malloc glibc tcmalloc] [--concurrency 8] [--quick]
 
 All engines run the same random default-size model (benchmarks/engine.py's, context 1024)
@@ -17,10 +17,11 @@ Decode tok/s = 127 / (last token - first token), by the wall clock and by the wo
 time over the same steps (on a shared machine the CPU time is the steadier figure: it leaves
 out the time other jobs held the core); TTFT from the request's metrics. `--speculative K`
 adds a third worker: the engine as it is with `num_speculative_tokens=K` (and its
-acceptance rate: accepted / drafted tokens); with `--draft-model` its drafts come from a draft
-model instead of prompt lookup: `target` (the benchmark's model as its own draft: every
-draft kept, so it measures what drafting costs) or `tiny` (a random tiny model with the same
-tokenizer: nearly every draft rejected). Each engine runs with its own defaults (the engine as
+acceptance rate: accepted / drafted tokens), its drafts from prompt lookup; `--draft-model`
+adds a fourth, its drafts from a draft model: `target` (the benchmark's model as its own
+draft: every draft kept, so it measures what drafting costs), `tiny` (a random tiny model
+with the same tokenizer) or a model directory (one the pipeline
+trained with a smaller `model.*`: README, "Speculative decoding"). Each engine runs with its own defaults (the engine as
 it is: multi-step decoding, 8 steps a graph call); `--scheduler-steps S` adds the engine as it is
 with `num_scheduler_steps=S` (1: one step a call). `--ctranslate2` adds CTranslate2's Generator
 on the same model (fp32, converted by its own Transformers converter; through
@@ -168,11 +169,11 @@ def ctranslate2_worker(ct2_dir: Path, model_dir: Path, threads: int, sampling: d
 class Worker:
     def __init__(
         self,
-        src: Path,
         model_dir: Path,
         threads: int,
-        speculative: int,
-        draft_dir: Path | None,
+        src: Path,
+        speculative: int = 0,
+        draft_dir: Path | None = None,
         ct2_dir: Path | None = None,
         steps: int | None = None,
         sampling: dict | None = None,
@@ -277,8 +278,9 @@ def table(r: dict) -> str:
             if name in ct2:
                 mid, lo, hi = ct2[name]["per_request"]
                 vs = f"{ct2[name]['ratio_of_medians']:.2f}x ({mid:.2f}x, {lo:.2f}x-{hi:.2f}x)"
+            label = f"{name} (acceptance {x['acceptance']:.0%})" if "acceptance" in x else name
             lines.append(
-                f"| {t} | {name} | {x['decode_tok_s']:.0f} | {x['decode_tok_s'] / base['decode_tok_s']:.2f}x "
+                f"| {t} | {label} | {x['decode_tok_s']:.0f} | {x['decode_tok_s'] / base['decode_tok_s']:.2f}x "
                 f"| {x['decode_cpu_tok_s']:.0f} | {x['decode_cpu_tok_s'] / base['decode_cpu_tok_s']:.2f}x "
                 f"| {vs} | {x['ttft_ms']:.1f} |"
             )
@@ -298,8 +300,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     )
     ap.add_argument(
         "--draft-model",
-        choices=["target", "tiny"],
-        help="with --speculative: drafts from a draft model (the target itself, or a tiny random one)",
+        metavar="target|tiny|DIR",
+        help="with --speculative: also an engine drafting from a draft model (the target itself, a tiny "
+        "random one, or a model directory with the target's tokenizer)",
     )
     ap.add_argument(
         "--model", type=Path, help="a trained model directory (an export) instead of the random one"
@@ -367,6 +370,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         )
     if args.draft_model and not args.speculative:
         ap.error("--draft-model drafts --speculative K tokens a step: give K")
+    if args.draft_model not in (None, "target", "tiny") and not Path(args.draft_model).is_dir():
+        ap.error(f"--draft-model {args.draft_model}: not target, tiny or a model directory")
     if args.concurrency < 1 or (args.concurrency > 1 and args.ctranslate2):
         ap.error("--concurrency takes a count >= 1, of lmops engines' requests only (not with --ctranslate2)")
     try:
@@ -401,48 +406,36 @@ def main(argv: list[str] | None = None) -> dict | None:
             if args.prompts_from
             else [[3 + (7 * i) % 4000 for i in range(PROMPT_LEN)]]
         )
-        draft_dir = {"target": model_dir, None: None}.get(args.draft_model)
-        if args.draft_model == "tiny":
-            draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE, qk_norm=False)
-        # name -> (lmops source, draft tokens, scheduler steps (None: the default), a CTranslate2
-        # model and its CT2_USE_MKL, the allocator)
+        # name -> what its Worker differs in from the engine as it is (REPO's src, glibc's malloc)
         malloc, *more = args.malloc
-        sources = {
-            "baseline": (checkout(args.baseline, Path(tmp) / "baseline"), 0, None, None, None, malloc),
-            "now": (REPO / "src", 0, None, None, None, malloc),
+        sources: dict[str, dict] = {
+            "baseline": {"src": checkout(args.baseline, Path(tmp) / "baseline")},
+            "now": {},
         }
         if args.scheduler_steps is not None:
-            sources["scheduler-steps"] = (REPO / "src", 0, args.scheduler_steps, None, None, malloc)
+            sources["scheduler-steps"] = {"steps": args.scheduler_steps}
         if args.speculative:
-            sources["speculative"] = (REPO / "src", args.speculative, None, None, None, malloc)
+            sources["speculative"] = {"speculative": args.speculative}
+        if args.draft_model == "tiny":
+            draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE, qk_norm=False)
+        elif args.draft_model:
+            draft_dir = model_dir if args.draft_model == "target" else Path(args.draft_model)
+        if args.draft_model:
+            sources["speculative-draft"] = {"speculative": args.speculative, "draft_dir": draft_dir}
         if args.ctranslate2:
             ct2_dir = convert_to_ctranslate2(model_dir, Path(tmp) / "ct2")
             for name, use_mkl in CT2_BACKENDS.items():
-                sources[name] = (REPO / "src", 0, None, ct2_dir, use_mkl, malloc)
+                sources[name] = {"ct2_dir": ct2_dir, "use_mkl": use_mkl}
         for other in more:
-            sources[f"now@{other}"] = (REPO / "src", 0, None, None, None, other)
+            sources[f"now@{other}"] = {"malloc": other}
             if args.ctranslate2:
                 for name, use_mkl in CT2_BACKENDS.items():
-                    sources[f"{name}@{other}"] = (REPO / "src", 0, None, ct2_dir, use_mkl, other)
+                    sources[f"{name}@{other}"] = {"ct2_dir": ct2_dir, "use_mkl": use_mkl, "malloc": other}
         res["by_threads"] = {}
         for threads in args.threads:
-            workers = {
-                name: Worker(
-                    src,
-                    model_dir,
-                    threads,
-                    k,
-                    draft_dir,
-                    ct2,
-                    steps,
-                    sampling,
-                    args.int8,
-                    use_mkl,
-                    m,
-                    args.concurrency,
-                )
-                for name, (src, k, steps, ct2, use_mkl, m) in sources.items()
-            }
+            common = {"src": REPO / "src", "malloc": malloc, "sampling": sampling, "int8": args.int8}
+            common |= {"concurrency": args.concurrency}
+            workers = {name: Worker(model_dir, threads, **(common | spec)) for name, spec in sources.items()}
             runs: dict[str, list[dict]] = {name: [] for name in workers}
             for _ in range(args.rounds):
                 for k, prompt in enumerate(prompts):
