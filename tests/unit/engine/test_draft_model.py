@@ -4,6 +4,8 @@ greedy's own whatever the draft model is."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -78,12 +80,15 @@ def test_draft_model_output_is_greedy(
     all_blocks_free(spec)
 
 
-def test_the_target_as_its_own_draft_model_is_always_right(model_dir, prompts):
+def test_the_target_as_its_own_draft_model_is_always_right(model_dir, prompts, caplog):
     """Plain greedy requests with the target as draft model: every draft token is kept (the
-    draft cache follows the accepted tokens), so a 40-token output takes 1 + 8 steps."""
-    engine = LLMEngine.from_pretrained(
-        model_dir, device="cpu", num_speculative_tokens=4, speculative_model=str(model_dir)
-    )
+    draft cache follows the accepted tokens), so a 40-token output takes 1 + 8 steps. On a
+    CPU the engine says at load that a draft model is slower there than none."""
+    with caplog.at_level(logging.WARNING, logger="lmops.runtime.engine.engine"):
+        engine = LLMEngine.from_pretrained(
+            model_dir, device="cpu", num_speculative_tokens=4, speculative_model=str(model_dir)
+        )
+    assert any(r.getMessage().startswith("speculative_model on CPU: ") for r in caplog.records)
     for p in (prompts[3], prompts[9]):
         engine.add_request(None, p, GREEDY)
     steps = 0

@@ -135,7 +135,8 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     # A draft model directory (config.json, model.safetensors, and the target's own
     # tokenizer.json) whose greedy tokens are the drafts instead of prompt lookup's; None:
-    # prompt lookup. Needs num_speculative_tokens >= 1.
+    # prompt lookup. Needs num_speculative_tokens >= 1. On a CPU it is a loss (it runs
+    # eagerly: benchmarks/README.md, "Single stream"), and the engine warns at load.
     speculative_model: str | None = None
     # Multi-step decoding (vLLM's num_scheduler_steps): a lone request, greedy or sampled with
     # temperature and the filters alone (`SamplingParams.graph_draw`), runs up to this many

@@ -130,6 +130,13 @@ class LLMEngine:
                 self.device,
                 self.dtype,
             )
+            if self.device.type == "cpu":
+                log.warning(
+                    "speculative_model on CPU: the draft model runs eagerly, a token at a time, "
+                    "which costs more than its drafts save (0.27x-0.31x the speed without it on a "
+                    "2-core Xeon: benchmarks/README.md, Single stream); prompt lookup (no "
+                    "speculative_model) is the CPU's drafter"
+                )
         self.runner = ModelRunner(
             model,
             self.pool,
