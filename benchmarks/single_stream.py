@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             if args.prompts_from
             else [[3 + (7 * i) % 4000 for i in range(PROMPT_LEN)]]
         )
-        # name -> what its Worker differs in from the engine as it is (REPO's src, glibc's malloc)
+        # name -> what its Worker differs in from the engine as it is (REPO's src, the first --malloc)
         malloc, *more = args.malloc
         sources: dict[str, dict] = {
             "baseline": {"src": checkout(args.baseline, Path(tmp) / "baseline")},
@@ -416,11 +416,11 @@ def main(argv: list[str] | None = None) -> dict | None:
             sources["scheduler-steps"] = {"steps": args.scheduler_steps}
         if args.speculative:
             sources["speculative"] = {"speculative": args.speculative}
-        if args.draft_model == "tiny":
-            draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE, qk_norm=False)
-        elif args.draft_model:
-            draft_dir = model_dir if args.draft_model == "target" else Path(args.draft_model)
         if args.draft_model:
+            if args.draft_model == "tiny":
+                draft_dir = build_random_model(Path(tmp) / "draft", 1024, seed=1, **TINY_SHAPE, qk_norm=False)
+            else:
+                draft_dir = model_dir if args.draft_model == "target" else Path(args.draft_model)
             sources["speculative-draft"] = {"speculative": args.speculative, "draft_dir": draft_dir}
         if args.ctranslate2:
             ct2_dir = convert_to_ctranslate2(model_dir, Path(tmp) / "ct2")
