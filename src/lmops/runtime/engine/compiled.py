@@ -225,7 +225,7 @@ class CompiledDecode:
         # graph's guards, and a compiled graph there cannot be pickled.
         self._steps, self._lone = graphs, lone
         self.compile_seconds = time.perf_counter() - t
-        total = len(graphs) + len(lone) + 1
+        total = len(graphs) + len(lone) + 1  # and the draw graph
         log.info(
             "compiled decode in %.1f s (%d graphs: %d loaded from the cache, %d compiled)",
             self.compile_seconds,
