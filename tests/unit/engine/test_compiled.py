@@ -119,8 +119,8 @@ def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp
     TORCHINDUCTOR_CACHE_DIR, so a cache shared by pods serves a new one whole."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     first = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
-    saved = list((tmp_path / "lmops-decode").glob("*-b1.bin"))
-    assert len(saved) == 1
+    assert len(list((tmp_path / "lmops-decode").glob("*-b1.bin"))) == 1
+    draw = next((tmp_path / "lmops-decode").glob("*-draw.bin"))
     graphs = len(list((tmp_path / "lmops-decode").glob("*.bin")))
     assert first.runner.decode.graphs_compiled == graphs
     # inductor's precompiled headers sit beside them (a new container's /tmp has none)
@@ -152,12 +152,12 @@ def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp
 
     monkeypatch.setattr(compiled_module.torch, "compile", real_compile)
     monkeypatch.setattr(compiled_module, "_LOADED", {})
-    saved[0].write_bytes(b"not a graph")
+    draw.write_bytes(b"not a graph")  # the quickest graph to compile again
     third = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
     assert "ignoring unreadable cache" in caplog.text
     assert third.runner.decode.graphs_compiled == 1
     assert [o.token_ids for o in third.generate(batch, GREEDY)] == expected
-    assert saved[0].stat().st_size > 1000
+    assert draw.stat().st_size > 1000
 
 
 def test_cache_key_follows_the_graphs_structure(model_dir):
@@ -296,10 +296,11 @@ def test_right_drafts_are_kept_in_five_graph_calls(model_dir, speculative_engine
 
 @pytest.fixture(scope="module")
 def multi_step_engine(model_dir):
-    """Multi-step decoding, 4 steps a graph call, beside the plain decode graphs."""
-    return LLMEngine.from_pretrained(
-        model_dir, device="cpu", max_num_seqs=3, compile=True, num_scheduler_steps=4
-    )
+    """Multi-step decoding as it is by default, 8 steps a graph call, beside the plain decode
+    graphs (the runs' graphs are those of the module's other default engines)."""
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=True)
+    assert engine.runner.scheduler_steps == 8
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -307,13 +308,13 @@ def eager_engine(model_dir):
     return LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=False)
 
 
-def test_multi_step_makes_greedys_tokens_four_a_graph_call(
+def test_multi_step_makes_greedys_tokens_eight_a_graph_call(
     multi_step_engine, eager_engine, prompts, monkeypatch, all_blocks_free
 ):
-    """A lone greedy request: each step after the prefill runs 4 decode steps in one graph
+    """A lone greedy request: each step after the prefill runs 8 decode steps in one graph
     call, each step's argmax the next one's input, to eager one-step greedy's tokens; the
-    last 3 tokens, fewer than a run of 4, in one call of the same graph (its loop runs any
-    count up to 4). No sampler after the prefill."""
+    last 3 tokens, fewer than a run of 8, in one call of the same graph (its loop runs any
+    count up to 8). No sampler after the prefill."""
     engine = multi_step_engine
     wants = [eager_engine.generate([p], GREEDY)[0].token_ids for p in (prompts[2], prompts[9])]
     served = served_by_graphs(engine)
@@ -327,8 +328,8 @@ def test_multi_step_makes_greedys_tokens_four_a_graph_call(
     for prompt, want in zip((prompts[2], prompts[9]), wants, strict=True):
         served.clear()
         assert engine.generate([prompt], GREEDY)[0].token_ids == want
-        # 1 (the prefill) + 4 x 4 + 3 = 20 tokens
-        assert [n for _, n in served] == [4, 4, 4, 4, 3]
+        # 1 (the prefill) + 2 x 8 + 3 = 20 tokens
+        assert [n for _, n in served] == [8, 8, 3]
     assert calls == [1, 1]  # the prefills' tokens only
     assert value("lmops:generation_tokens_total") - tokens_before == 2 * GREEDY.max_tokens
     all_blocks_free(engine)
@@ -378,7 +379,7 @@ def test_multi_step_draws_a_sampled_requests_tokens_in_the_graph(
     calls.clear()
     assert engine.generate([prompts[6]], params)[0].token_ids == want
     assert len(set(want)) > 5  # drawn: not one token repeated
-    assert [n for _, n in served] == [4, 4, 4, 4, 3] and calls == [1]
+    assert [n for _, n in served] == [8, 8, 3] and calls == [1]
     all_blocks_free(engine)
 
 
