@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from engine import RESULTS, build_random_model, greedy, make_engine, sync, write_results
+from engine import RESULTS, build_random_model, cpu_description, greedy, make_engine, sync, write_results
 
 from lmops.runtime.engine.config import EngineConfig
 from lmops.runtime.model import default_dtype, resolve_device
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
             "device": str(device),
             "dtype": str(default_dtype(device)),
             "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_description(),
             "torch": torch.__version__,
             "rounds": 1 if args.quick else args.rounds,
         }

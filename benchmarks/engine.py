@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": str(dtype),
         "quick": q,
         "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_description(),
         "torch": torch.__version__,
     }
     load_before = os.getloadavg()  # 1-minute averages: was anything else running?

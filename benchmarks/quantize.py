@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from engine import RESULTS, write_results
+from engine import RESULTS, cpu_description, write_results
 
 import lmops.runtime.quantize
 from lmops.pipeline.random_model import random_model_dir
@@ -187,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         "gemm_rows": lmops.runtime.quantize.GEMM_ROWS,
         "rounds_raw": {("int8" if q else "float32"): rs for q, rs in rows.items()},
         "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_description(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
     }
