@@ -432,9 +432,14 @@ def main(argv: list[str] | None = None) -> dict | None:
                 for name, use_mkl in CT2_BACKENDS.items():
                     sources[f"{name}@{other}"] = {"ct2_dir": ct2_dir, "use_mkl": use_mkl, "malloc": other}
         res["by_threads"] = {}
+        common = {
+            "src": REPO / "src",
+            "malloc": malloc,
+            "sampling": sampling,
+            "int8": args.int8,
+            "concurrency": args.concurrency,
+        }
         for threads in args.threads:
-            common = {"src": REPO / "src", "malloc": malloc, "sampling": sampling, "int8": args.int8}
-            common |= {"concurrency": args.concurrency}
             workers = {name: Worker(model_dir, threads, **(common | spec)) for name, spec in sources.items()}
             runs: dict[str, list[dict]] = {name: [] for name in workers}
             for _ in range(args.rounds):
