@@ -1,5 +1,5 @@
 """The compiled decode path (engine/compiled.py): same greedy tokens as the eager path,
-padded batches included, its small products in inductor's own code, and a clean fall back
+padded batches included, its small products in lmops' kernel or inductor's own code, and a clean fall back
 to eager where it does not apply."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmops.runtime.engine import LLMEngine, SamplingParams
+from lmops.runtime.engine import LLMEngine, SamplingParams, kernels
 from lmops.runtime.engine import compiled as compiled_module
 from lmops.runtime.engine import engine as engine_module
 from lmops.runtime.engine import scheduler as scheduler_module
@@ -160,10 +160,11 @@ def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp
     assert draw.stat().st_size > 1000
 
 
-def test_cache_key_follows_the_graphs_structure(model_dir):
+def test_cache_key_follows_the_graphs_structure(model_dir, monkeypatch):
     """Saved graphs run unguarded, so anything traced into them must change the key:
     quantized weights, another KV block size, another thread count (inductor writes it
-    into the generated loops)."""
+    into the generated loops), whether the graphs call lmops' kernel (a graph that calls it
+    cannot run where it was not built)."""
     keys = set()
     for overrides in ({}, {"quantization": "int8"}, {"block_size": 8}):
         engine = LLMEngine.from_pretrained(model_dir, device="cpu", compile=False, **overrides)
@@ -174,7 +175,10 @@ def test_cache_key_follows_the_graphs_structure(model_dir):
         keys.add(compiled_module._structure_key(engine.runner.forward, engine.pool))
     finally:
         torch.set_num_threads(threads)
-    assert len(keys) == 4
+    loaded = kernels.small_linear_loaded()
+    monkeypatch.setattr(kernels, "_loaded", not loaded)
+    keys.add(compiled_module._structure_key(engine.runner.forward, engine.pool))
+    assert len(keys) == 5
 
 
 def test_plain_greedy_decodes_take_the_graphs_argmax(compiled_engine, prompts, monkeypatch):
@@ -416,16 +420,23 @@ def test_multi_step_is_a_compiled_path_only(model_dir, prompts):
         EngineConfig(num_scheduler_steps=0)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["lmops-kernel", "inductor-loop"])
 @pytest.mark.parametrize("rows", [1, 5, SMALL_PRODUCT_ROWS])
-def test_compiled_small_products_are_inductors_own_loop(rows):
-    """Below SMALL_PRODUCT_ROWS rows a compiled projection is inductor's own loop, not an
-    aten.mm call (MKL's generic code on AMD CPUs), and it equals F.linear; so does the
-    normed one, which scales the outputs by 1/rms instead of the inputs."""
+def test_compiled_small_products_are_our_own(rows, kernel, tmp_path, monkeypatch):
+    """Below SMALL_PRODUCT_ROWS rows a compiled projection is lmops' kernel where it is
+    built, else inductor's own loop, never an aten.mm call (MKL's generic code on AMD
+    CPUs), and it equals F.linear; so does the normed one, which scales the outputs by
+    1/rms instead of the inputs."""
     from torch._inductor.utils import run_and_get_code
 
+    if kernel and not kernels.load_small_linear(tmp_path, "test"):
+        pytest.skip("no AVX2 and FMA: no kernel")
+    monkeypatch.setattr(kernels, "_loaded", kernel)  # read while tracing
     x, w, g = torch.randn(rows, 192), torch.randn(320, 192), torch.rand(192) + 0.5
     out, code = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, w)
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
-    assert ("extern_kernels.mm(" in "".join(code)) == (rows >= SMALL_PRODUCT_ROWS)
+    code = "".join(code)
+    assert ("extern_kernels.mm(" in code) == (rows >= SMALL_PRODUCT_ROWS)
+    assert ("torch.ops.lmops.small_linear" in code) == (kernel and rows < SMALL_PRODUCT_ROWS)
     normed = torch.compile(norm_linear, fullgraph=True, dynamic=False)(x, g, w, 1e-5)
     torch.testing.assert_close(normed, F.linear(rms_norm(x, g, 1e-5), w), rtol=1e-5, atol=1e-4)

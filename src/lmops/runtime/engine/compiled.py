@@ -47,6 +47,7 @@ from torch._higher_order_ops.while_loop import while_loop  # (imported by torch 
 import lmops
 from lmops import atomic
 from lmops.runtime.engine.forward import FusedForward
+from lmops.runtime.engine.kernels import load_small_linear, small_linear_loaded
 from lmops.runtime.engine.kv_cache import KVPool
 from lmops.runtime.engine.sampling import SamplingParams, batch_draw_inputs, plain_draw, plain_draw_inputs
 from lmops.runtime.engine.sequence import Sequence
@@ -188,6 +189,7 @@ class CompiledDecode:
         inductor_cache = Path(cache_dir())
         self.cache_dir = inductor_cache / "lmops-decode"
         _keep_precompiled_headers_in(inductor_cache)
+        load_small_linear(self.cache_dir, _cpu_signature())  # before tracing: the graphs call it
         key = _structure_key(forward, pool)
         shapes = [(b, 1) for b in self.sizes] + [(b, self.verify_len) for b in self.verify_sizes]
         self.scheduler_steps = scheduler_steps
@@ -227,11 +229,13 @@ class CompiledDecode:
         self.compile_seconds = time.perf_counter() - t
         total = len(graphs) + len(lone) + 1  # and the draw graph
         log.info(
-            "compiled decode in %.1f s (%d graphs: %d loaded from the cache, %d compiled)",
+            "compiled decode in %.1f s (%d graphs: %d loaded from the cache, %d compiled), "
+            "few-row products through %s",
             self.compile_seconds,
             total,
             total - self.graphs_compiled,
             self.graphs_compiled,
+            "lmops' kernel" if small_linear_loaded() else "inductor's loop",
         )
 
     def _load_or_compile(self, compiler, name: str, example) -> AOTCompiledFunction:
@@ -441,15 +445,16 @@ def _keep_precompiled_headers_in(directory: Path) -> None:
 
 def _structure_key(forward: FusedForward, pool: KVPool) -> str:
     """What a saved graph depends on, since no guard checks it at run time: torch and
-    Python, the CPU and thread count it was compiled for, the lmops source it was traced
-    from, the model config (its sizes and eps are constants in the graph), and the kind,
+    Python, the CPU and thread count it was compiled for, whether it calls lmops' kernel,
+    the lmops source it was traced from (the kernel's C++ too), the model config (its sizes and eps are constants in the graph), and the kind,
     shape, dtype and strides of every tensor the graph reads (weights after fusing and
     quantizing, RoPE tables, the KV pool). Not the weights' values, which each call reads
     afresh. (The pool's size is in it too: where free memory sizes the pool, a restart
     may miss the cache and compile again.)"""
     h = hashlib.sha256(f"{torch.__version__} {sys.version} {forward.model.config!r}".encode())
-    h.update(_cpu_signature().encode())
-    for f in sorted(Path(lmops.__file__).parent.rglob("*.py")):
+    h.update(f"{_cpu_signature()} small_linear={small_linear_loaded()}".encode())
+    source = Path(lmops.__file__).parent
+    for f in sorted([*source.rglob("*.py"), *source.rglob("*.cpp")]):
         h.update(f.read_bytes())
     m = forward.model
     reads = [m.model.embed_tokens.weight, m.model.norm.weight, m.lm_head.weight, forward.cos]

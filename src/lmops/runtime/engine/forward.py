@@ -17,11 +17,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from lmops.runtime.engine.kernels import small_linear_loaded
 from lmops.runtime.hugepages import move_to_huge_pages
 from lmops.runtime.model import Llama, inv_rms, rms_norm, rope_cos_sin
 
 # Below this many rows a compiled CPU graph computes its float32 projections itself (`linear`);
-# from here on aten.mm's GEMM is as fast (the crossover: benchmarks/README.md, "The single-row products").
+# from here on aten.mm's GEMM is as fast (the crossover: benchmarks/README.md, "The single-row
+# products"; lmops' own kernel is level with it at 8 rows and slower past them).
 SMALL_PRODUCT_ROWS = 16
 
 
@@ -111,26 +113,25 @@ class FusedForward:
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """`F.linear(x, w)` (`w` a weight tensor or a quantize.Int8Weight); for few rows in a
-    compiled CPU graph, inductor's own loop (`_own_loop`)."""
-    return _row_sums(x, w) if _own_loop(x, w) else F.linear(x, w)
+    compiled CPU graph, our own product (`_own_loop`)."""
+    return _few_rows(x, w) if _own_loop(x, w) else F.linear(x, w)
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float) -> torch.Tensor:
-    """`linear(rms_norm(x, norm_weight, eps), w)`. In inductor's own loop each row's 1/rms
-    scales the product's outputs, not its inputs: inlined into the loop, the norm cost a
-    square root per 16 weights read (the LM head over 5 rows 3.6x slower, over 1 row 1.4x)."""
+    """`linear(rms_norm(x, norm_weight, eps), w)`. In our own product each row's 1/rms
+    scales the product's outputs, not its inputs: inlined into inductor's loop, the norm
+    cost a square root per 16 weights read (the LM head over 5 rows 3.6x slower, over 1 row 1.4x)."""
     if _own_loop(x, w):
-        return _row_sums(x * norm_weight, w) * inv_rms(x, eps)
+        return _few_rows(x * norm_weight, w) * inv_rms(x, eps)
     return F.linear(rms_norm(x, norm_weight, eps), w)
 
 
 def _own_loop(x: torch.Tensor, w) -> bool:
     """Whether `x @ w.T` is a float32 product of fewer than SMALL_PRODUCT_ROWS rows inside a
-    compiled CPU graph: there inductor generates it as vectorized loops fused with the ops
-    around it, where aten.mm would call MKL, whose single-row and few-row products take their
-    generic, pre-AVX code on AMD CPUs (`mkl_blas_def_xsgemv`: over half of a batch-1 decode
-    step's time). Eagerly the product would be materialized, so the eager path keeps
-    F.linear (benchmarks/README.md, "The single-row products")."""
+    compiled CPU graph: there it is lmops' kernel or inductor's loop (`_few_rows`), where
+    aten.mm would call MKL, whose single-row and few-row products take their generic,
+    pre-AVX code on AMD CPUs (`mkl_blas_def_xsgemv`: over half of a batch-1 decode step's
+    time). The eager path keeps F.linear (benchmarks/README.md, "The single-row products")."""
     return (
         torch.compiler.is_compiling()
         and isinstance(w, torch.Tensor)
@@ -138,6 +139,12 @@ def _own_loop(x: torch.Tensor, w) -> bool:
         and w.device.type == "cpu"
         and x.shape[0] < SMALL_PRODUCT_ROWS
     )
+
+
+def _few_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x @ w.T` for a few rows in a compiled graph: lmops' kernel (engine/kernels.py, which
+    reads the weight once for all rows), or where it is not built, inductor's loop."""
+    return torch.ops.lmops.small_linear(x, w) if small_linear_loaded() else _row_sums(x, w)
 
 
 def _row_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
