@@ -74,7 +74,9 @@ def build_small_linear(directory: Path, cpu_signature: str) -> Path | None:
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = (getattr(exc, "stderr", "") or str(exc)).strip()
         errors = [line for line in detail.splitlines() if "error" in line]  # the compiler's first
-        log.warning("small_linear kernel not built, the graphs keep inductor's loop: %s", (errors or [detail])[0])
+        log.warning(
+            "small_linear kernel not built, the graphs keep inductor's loop: %s", (errors or [detail])[0]
+        )
         built.unlink(missing_ok=True)
         return None
     return library
