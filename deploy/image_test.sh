@@ -201,10 +201,10 @@ sys.exit(len(procs) < 2 or not all("libtcmalloc" in (p / "maps").read_text() for
   else
     ! $engine logs "$container" 2>&1 | grep -E "compil(ed|ing) decode" >&2 || die "$name: the service compiled"
   fi
-  # Where the CPU has AVX2 and FMA, the image's g++ builds lmops' few-row product kernel.
+  # Where the CPU has AVX2 and FMA, the image's g++ builds lmops' kernels (engine/kernels.py).
   if [ "$decode" != eager ] && grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then
-    $engine logs "$container" 2>&1 | grep -F "few-row products through lmops' kernel" >&2 ||
-      { $engine logs "$container" >&2 && die "$name: the service did not build or load lmops' kernel"; }
+    $engine logs "$container" 2>&1 | grep -F "few-row products and attention through lmops' kernels" >&2 ||
+      { $engine logs "$container" >&2 && die "$name: the service did not build or load lmops' kernels"; }
   fi
   deploy/smoke_test.sh "http://127.0.0.1:$port"
   python - "http://127.0.0.1:$port/v1" "lmops-$name" <<'PY'

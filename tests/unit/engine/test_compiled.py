@@ -1,6 +1,6 @@
 """The compiled decode path (engine/compiled.py): same greedy tokens as the eager path,
-padded batches included, its small products in lmops' kernel or inductor's own code, and a clean fall back
-to eager where it does not apply."""
+padded batches included, its small products and attention in lmops' kernels or inductor's
+own code, and a clean fall back to eager where it does not apply."""
 
 from __future__ import annotations
 
@@ -163,8 +163,8 @@ def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp
 def test_cache_key_follows_the_graphs_structure(model_dir, monkeypatch):
     """Saved graphs run unguarded, so anything traced into them must change the key:
     quantized weights, another KV block size, another thread count (inductor writes it
-    into the generated loops), whether the graphs call lmops' kernel (a graph that calls it
-    cannot run where it was not built)."""
+    into the generated loops), whether the graphs call lmops' kernels (a graph that calls
+    them cannot run where they were not built)."""
     keys = set()
     for overrides in ({}, {"quantization": "int8"}, {"block_size": 8}):
         engine = LLMEngine.from_pretrained(model_dir, device="cpu", compile=False, **overrides)
@@ -175,7 +175,7 @@ def test_cache_key_follows_the_graphs_structure(model_dir, monkeypatch):
         keys.add(compiled_module._structure_key(engine.runner.forward, engine.pool))
     finally:
         torch.set_num_threads(threads)
-    loaded = kernels.small_linear_loaded()
+    loaded = kernels.kernels_loaded()
     monkeypatch.setattr(kernels, "_loaded", not loaded)
     keys.add(compiled_module._structure_key(engine.runner.forward, engine.pool))
     assert len(keys) == 5
@@ -429,7 +429,7 @@ def test_compiled_small_products_are_our_own(rows, kernel, tmp_path, monkeypatch
     1/rms instead of the inputs."""
     from torch._inductor.utils import run_and_get_code
 
-    if kernel and not kernels.load_small_linear(tmp_path, "test"):
+    if kernel and not kernels.load_kernels(tmp_path, "test"):
         pytest.skip("no AVX2 and FMA: no kernel")
     monkeypatch.setattr(kernels, "_loaded", kernel)  # read while tracing
     x, w, g = torch.randn(rows, 192), torch.randn(320, 192), torch.rand(192) + 0.5

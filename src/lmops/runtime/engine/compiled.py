@@ -47,7 +47,7 @@ from torch._higher_order_ops.while_loop import while_loop  # (imported by torch 
 import lmops
 from lmops import atomic
 from lmops.runtime.engine.forward import FusedForward
-from lmops.runtime.engine.kernels import load_small_linear, small_linear_loaded
+from lmops.runtime.engine.kernels import kernels_loaded, load_kernels
 from lmops.runtime.engine.kv_cache import KVPool
 from lmops.runtime.engine.sampling import SamplingParams, batch_draw_inputs, plain_draw, plain_draw_inputs
 from lmops.runtime.engine.sequence import Sequence
@@ -120,12 +120,21 @@ class DecodeAttention:
         ctx = torch.cat((self.context[layer], new.view(2 * Hkv, B, -1, D)), 2)
         # (Hkv, B, G * T, D): the G query heads x T tokens that share a KV head.
         qg = q.view(B, T, Hkv, G, D).permute(2, 0, 3, 1, 4).reshape(Hkv, B, G * T, D)
-        # Written out, not SDPA: with a few query rows a head, SDPA's flash kernel costs
-        # more around its products than they take, and here inductor fuses the scale, mask
-        # and softmax into one loop between two batched products (6-12% off the graph at
-        # batch 1: benchmarks/README.md, "Single stream").
-        scores = (qg @ ctx[:Hkv].transpose(2, 3)) * D**-0.5 + self.mask
-        y = scores.softmax(-1) @ ctx[Hkv:]
+        if kernels_loaded() and D % 8 == 0:  # lmops' kernel: one call for the layer
+            y = torch.ops.lmops.decode_attention(
+                qg.reshape(Hkv * B, G * T, D),
+                ctx[:Hkv].reshape(Hkv * B, -1, D),
+                ctx[Hkv:].reshape(Hkv * B, -1, D),
+                self.mask.reshape(B, G * T, -1),
+                D**-0.5,
+            )
+        else:
+            # Written out, not SDPA: with a few query rows a head, SDPA's flash kernel costs
+            # more around its products than they take, and here inductor fuses the scale, mask
+            # and softmax into one loop between two batched products (6-12% off the graph at
+            # batch 1: benchmarks/README.md, "Single stream").
+            scores = (qg @ ctx[:Hkv].transpose(2, 3)) * D**-0.5 + self.mask
+            y = scores.softmax(-1) @ ctx[Hkv:]
         return y.view(Hkv, B, G, T, D).permute(1, 3, 0, 2, 4).reshape(rows, H, D)
 
     @staticmethod
@@ -189,7 +198,7 @@ class CompiledDecode:
         inductor_cache = Path(cache_dir())
         self.cache_dir = inductor_cache / "lmops-decode"
         _keep_precompiled_headers_in(inductor_cache)
-        load_small_linear(self.cache_dir, _cpu_signature())  # before tracing: the graphs call it
+        load_kernels(self.cache_dir, _cpu_signature())  # before tracing: the graphs call them
         key = _structure_key(forward, pool)
         shapes = [(b, 1) for b in self.sizes] + [(b, self.verify_len) for b in self.verify_sizes]
         self.scheduler_steps = scheduler_steps
@@ -230,12 +239,12 @@ class CompiledDecode:
         total = len(graphs) + len(lone) + 1  # and the draw graph
         log.info(
             "compiled decode in %.1f s (%d graphs: %d loaded from the cache, %d compiled), "
-            "few-row products through %s",
+            "few-row products and attention through %s",
             self.compile_seconds,
             total,
             total - self.graphs_compiled,
             self.graphs_compiled,
-            "lmops' kernel" if small_linear_loaded() else "inductor's loop",
+            "lmops' kernels" if kernels_loaded() else "inductor's loops",
         )
 
     def _load_or_compile(self, compiler, name: str, example) -> AOTCompiledFunction:
@@ -445,14 +454,14 @@ def _keep_precompiled_headers_in(directory: Path) -> None:
 
 def _structure_key(forward: FusedForward, pool: KVPool) -> str:
     """What a saved graph depends on, since no guard checks it at run time: torch and
-    Python, the CPU and thread count it was compiled for, whether it calls lmops' kernel,
-    the lmops source it was traced from (the kernel's C++ too), the model config (its sizes and eps are constants in the graph), and the kind,
+    Python, the CPU and thread count it was compiled for, whether it calls lmops' kernels,
+    the lmops source it was traced from (the kernels' C++ too), the model config (its sizes and eps are constants in the graph), and the kind,
     shape, dtype and strides of every tensor the graph reads (weights after fusing and
     quantizing, RoPE tables, the KV pool). Not the weights' values, which each call reads
     afresh. (The pool's size is in it too: where free memory sizes the pool, a restart
     may miss the cache and compile again.)"""
     h = hashlib.sha256(f"{torch.__version__} {sys.version} {forward.model.config!r}".encode())
-    h.update(f"{_cpu_signature()} small_linear={small_linear_loaded()}".encode())
+    h.update(f"{_cpu_signature()} kernels={kernels_loaded()}".encode())
     source = Path(lmops.__file__).parent
     for f in sorted([*source.rglob("*.py"), *source.rglob("*.cpp")]):
         h.update(f.read_bytes())

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from lmops.runtime.engine.kernels import small_linear_loaded
+from lmops.runtime.engine.kernels import kernels_loaded
 from lmops.runtime.hugepages import move_to_huge_pages
 from lmops.runtime.model import Llama, inv_rms, rms_norm, rope_cos_sin
 
@@ -144,7 +144,7 @@ def _own_loop(x: torch.Tensor, w) -> bool:
 def _few_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`x @ w.T` for a few rows in a compiled graph: lmops' kernel (engine/kernels.py, which
     reads the weight once for all rows), or where it is not built, inductor's loop."""
-    return torch.ops.lmops.small_linear(x, w) if small_linear_loaded() else _row_sums(x, w)
+    return torch.ops.lmops.small_linear(x, w) if kernels_loaded() else _row_sums(x, w)
 
 
 def _row_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,16 @@
-"""lmops' own C++ kernel for the compiled decode graph's few-row float32 products
-(small_linear.cpp, `torch.ops.lmops.small_linear`), built with the C++ compiler inductor
-uses, the first time an engine compiles its decode graphs on a machine, and loaded from
-beside the graphs after that (a second, about 10 s on 2 cores, then milliseconds).
+"""lmops' own C++ kernels for the compiled CPU decode graph (kernels.cpp): the few-row
+float32 products (`torch.ops.lmops.small_linear`, through `forward.linear`) and the decode
+attention (`torch.ops.lmops.decode_attention`, compiled.DecodeAttention). Built with the C++
+compiler inductor uses, the first time an engine compiles its decode graphs on a machine
+(about 10 s on 2 cores), and kept beside the graphs, which load them in milliseconds after that.
 
-At batch 1 a decode step is mostly its products, each reading a weight once, and
-inductor's loop for a product of a few rows streams the weight once a row; the kernel
-streams it once a step and reuses it from L1 for every row, so one row runs about 1.5x
-faster (the LM head 57-61 us against 119 on an AVX2 EPYC) and a 5-row verification of
-speculative decoding costs far less than five (benchmarks/README.md, "A kernel of our own
-for the few-row products"). Built where the CPU has AVX2 and FMA (torch's CPU capability
-AVX2 or AVX512); elsewhere, or if the build fails (logged), the graph keeps inductor's loop.
+At batch 1 a decode step is its products, each reading a weight once, and inductor's loop
+for a product of a few rows streams the weight once a row, where the kernel streams it once
+and reuses it from L1 for every row; the attention was two batched products through MKL (its
+generic code on AMD CPUs) around a softmax, and is one call a layer. Built where the CPU has
+AVX2 and FMA (torch's CPU capability AVX2 or AVX512); elsewhere, or if the build fails
+(logged), the graphs keep inductor's loops and MKL's attention. What they gain:
+benchmarks/README.md, "Kernels of our own".
 """
 
 from __future__ import annotations
@@ -24,33 +25,34 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("small_linear.cpp")
+SOURCE = Path(__file__).with_name("kernels.cpp")
 _loaded: bool | None = None  # None: not tried in this process
 
 
-def load_small_linear(directory: Path, cpu_signature: str) -> bool:
-    """Build the kernel (`build_small_linear`) and load it, once a process (a library
-    registers its op for good); whether it is loaded."""
+def load_kernels(directory: Path, cpu_signature: str) -> bool:
+    """Build the kernels (`build_kernels`) and load them, once a process (a library
+    registers its ops for good); whether they are loaded."""
     global _loaded
     if _loaded is None:
-        library = build_small_linear(directory, cpu_signature)
+        library = build_kernels(directory, cpu_signature)
         if library is not None:
             torch.ops.load_library(str(library))
             torch.library.register_fake("lmops::small_linear")(_small_linear_shape)
+            torch.library.register_fake("lmops::decode_attention")(_decode_attention_shape)
         _loaded = library is not None
     return _loaded
 
 
-def small_linear_loaded() -> bool:
-    """Whether `torch.ops.lmops.small_linear` is there for a graph to call."""
+def kernels_loaded() -> bool:
+    """Whether lmops' ops are there for a graph to call."""
     return bool(_loaded)
 
 
-def build_small_linear(directory: Path, cpu_signature: str) -> Path | None:
-    """The kernel's shared library in `directory`, built there unless it already is, once
+def build_kernels(directory: Path, cpu_signature: str) -> Path | None:
+    """The kernels' shared library in `directory`, built there unless it already is, once
     per source, torch, compiler and CPU (`cpu_signature`: it is compiled for this CPU, and
     a cache directory may be shared by machines); None where the CPU lacks AVX2 and FMA or
-    the build fails (logged: the graphs keep inductor's loop)."""
+    the build fails (logged: the graphs keep inductor's loops and MKL's attention)."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     from torch._inductor.cpp_builder import get_cpp_compiler
@@ -58,10 +60,11 @@ def build_small_linear(directory: Path, cpu_signature: str) -> Path | None:
 
     compiler = get_cpp_compiler()
     flags = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
+    flags += ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]  # at::vec's 8-float vectors
     flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
     key = hashlib.sha256(SOURCE.read_bytes())
     key.update(f"{torch.__version__} {compiler} {flags} {cpu_signature}".encode())
-    library = directory / f"small_linear-{key.hexdigest()[:32]}.so"
+    library = directory / f"kernels-{key.hexdigest()[:32]}.so"
     if library.is_file():
         return library
     built = library.with_name(f".{library.name}.{os.getpid()}.tmp")  # renamed when whole
@@ -75,7 +78,8 @@ def build_small_linear(directory: Path, cpu_signature: str) -> Path | None:
         detail = (getattr(exc, "stderr", "") or str(exc)).strip()
         errors = [line for line in detail.splitlines() if "error" in line]  # the compiler's first
         log.warning(
-            "small_linear kernel not built, the graphs keep inductor's loop: %s", (errors or [detail])[0]
+            "lmops' kernels not built, the graphs keep inductor's loops and MKL's attention: %s",
+            (errors or [detail])[0],
         )
         built.unlink(missing_ok=True)
         return None
@@ -83,5 +87,10 @@ def build_small_linear(directory: Path, cpu_signature: str) -> Path | None:
 
 
 def _small_linear_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What the kernel returns, for tracing: (rows, N), contiguous."""
+    """What small_linear returns, for tracing: (rows, N), contiguous."""
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _decode_attention_shape(q, k, v, mask, scale) -> torch.Tensor:
+    """What decode_attention returns, for tracing: q's shape, contiguous."""
+    return q.new_empty(q.shape)
