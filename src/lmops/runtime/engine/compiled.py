@@ -75,7 +75,9 @@ class DecodeAttention:
     It reads the pool but does not write it: each token attends to its sequence's cached
     context (`gather`ed from the pool) and, causally, to the step's new K/V, which are
     collected in `new_kv` and written by the caller after the graph (an in-graph write made
-    inductor copy the whole pool layer, every layer).
+    inductor copy the whole pool layer, every layer). A layer's attention is one call of
+    lmops' `decode_attention` where kernels.py built it, else two batched products around
+    a softmax.
     """
 
     def __init__(
@@ -120,7 +122,7 @@ class DecodeAttention:
         ctx = torch.cat((self.context[layer], new.view(2 * Hkv, B, -1, D)), 2)
         # (Hkv, B, G * T, D): the G query heads x T tokens that share a KV head.
         qg = q.view(B, T, Hkv, G, D).permute(2, 0, 3, 1, 4).reshape(Hkv, B, G * T, D)
-        if kernels_loaded() and D % 8 == 0:  # lmops' kernel: one call for the layer
+        if kernels_loaded() and D % 8 == 0 and q.dtype == torch.float32:  # lmops' kernel: one call
             y = torch.ops.lmops.decode_attention(
                 qg.reshape(Hkv * B, G * T, D),
                 ctx[:Hkv].reshape(Hkv * B, -1, D),
@@ -455,11 +457,11 @@ def _keep_precompiled_headers_in(directory: Path) -> None:
 def _structure_key(forward: FusedForward, pool: KVPool) -> str:
     """What a saved graph depends on, since no guard checks it at run time: torch and
     Python, the CPU and thread count it was compiled for, whether it calls lmops' kernels,
-    the lmops source it was traced from (the kernels' C++ too), the model config (its sizes and eps are constants in the graph), and the kind,
-    shape, dtype and strides of every tensor the graph reads (weights after fusing and
-    quantizing, RoPE tables, the KV pool). Not the weights' values, which each call reads
-    afresh. (The pool's size is in it too: where free memory sizes the pool, a restart
-    may miss the cache and compile again.)"""
+    the lmops source it was traced from (the kernels' C++ too), the model config (its sizes
+    and eps are constants in the graph), and the kind, shape, dtype and strides of every
+    tensor the graph reads (weights after fusing and quantizing, RoPE tables, the KV pool).
+    Not the weights' values, which each call reads afresh. (The pool's size is in it too:
+    where free memory sizes the pool, a restart may miss the cache and compile again.)"""
     h = hashlib.sha256(f"{torch.__version__} {sys.version} {forward.model.config!r}".encode())
     h.update(f"{_cpu_signature()} kernels={kernels_loaded()}".encode())
     source = Path(lmops.__file__).parent

@@ -23,7 +23,8 @@ from lmops.runtime.model import Llama, inv_rms, rms_norm, rope_cos_sin
 
 # Below this many rows a compiled CPU graph computes its float32 projections itself (`linear`);
 # from here on aten.mm's GEMM is as fast (the crossover: benchmarks/README.md, "The single-row
-# products"; lmops' own kernel is level with it at 8 rows and slower past them).
+# products"; lmops' own kernel is level with it from 8 rows: at 12 and 15 rows 0.8x-1.2x its time,
+# by shape, on the AVX2 EPYC of benchmarks/README.md, "Kernels of our own").
 SMALL_PRODUCT_ROWS = 16
 
 

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import torch
@@ -27,20 +28,22 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 _loaded: bool | None = None  # None: not tried in this process
+_loading = threading.Lock()  # engines may start in threads (a live champion's swap)
 
 
 def load_kernels(directory: Path, cpu_signature: str) -> bool:
     """Build the kernels (`build_kernels`) and load them, once a process (a library
     registers its ops for good); whether they are loaded."""
     global _loaded
-    if _loaded is None:
-        library = build_kernels(directory, cpu_signature)
-        if library is not None:
-            torch.ops.load_library(str(library))
-            torch.library.register_fake("lmops::small_linear")(_small_linear_shape)
-            torch.library.register_fake("lmops::decode_attention")(_decode_attention_shape)
-        _loaded = library is not None
-    return _loaded
+    with _loading:
+        if _loaded is None:
+            library = build_kernels(directory, cpu_signature)
+            if library is not None:
+                torch.ops.load_library(str(library))
+                torch.library.register_fake("lmops::small_linear")(_small_linear_shape)
+                torch.library.register_fake("lmops::decode_attention")(_decode_attention_shape)
+            _loaded = library is not None
+        return _loaded
 
 
 def kernels_loaded() -> bool:
