@@ -200,7 +200,7 @@ class CompiledDecode:
         inductor_cache = Path(cache_dir())
         self.cache_dir = inductor_cache / "lmops-decode"
         _keep_precompiled_headers_in(inductor_cache)
-        load_kernels(self.cache_dir, _cpu_signature())  # before tracing: the graphs call them
+        load_kernels(self.cache_dir, _cpu_instruction_sets())  # before tracing: the graphs call them
         key = _structure_key(forward, pool)
         shapes = [(b, 1) for b in self.sizes] + [(b, self.verify_len) for b in self.verify_sizes]
         self.scheduler_steps = scheduler_steps
@@ -462,8 +462,12 @@ def _structure_key(forward: FusedForward, pool: KVPool) -> str:
     tensor the graph reads (weights after fusing and quantizing, RoPE tables, the KV pool).
     Not the weights' values, which each call reads afresh. (The pool's size is in it too:
     where free memory sizes the pool, a restart may miss the cache and compile again.)"""
+    from torch._inductor.utils import parallel_num_threads  # inductor writes it into the OpenMP loops
+
     h = hashlib.sha256(f"{torch.__version__} {sys.version} {forward.model.config!r}".encode())
-    h.update(f"{_cpu_signature()} kernels={kernels_loaded()}".encode())
+    h.update(
+        f"{_cpu_instruction_sets()} threads={parallel_num_threads()} kernels={kernels_loaded()}".encode()
+    )
     source = Path(lmops.__file__).parent
     for f in sorted([*source.rglob("*.py"), *source.rglob("*.cpp")]):
         h.update(f.read_bytes())
@@ -481,15 +485,13 @@ def _describe(x) -> str:
     return f"{type(x).__name__}({','.join(_describe(v) for v in vars(x).values())})"
 
 
-def _cpu_signature() -> str:
+def _cpu_instruction_sets() -> str:
     """The instruction sets the generated code may use: inductor compiles for its chosen
-    vector ISA and with -march=native, so a graph cached on one CPU (a shared cache
-    volume) could crash another with an illegal instruction. And the thread count, which
-    inductor writes into the generated OpenMP loops."""
+    vector ISA and with -march=native (as kernels.py does), so a graph or kernel library
+    cached on one CPU (a shared cache volume) could crash another with an illegal instruction."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
-    from torch._inductor.utils import parallel_num_threads
 
     info = Path("/proc/cpuinfo")
     lines = info.read_text().splitlines() if info.is_file() else []
     keep = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    return f"{platform.machine()} {pick_vec_isa()} {keep} threads={parallel_num_threads()}"
+    return f"{platform.machine()} {pick_vec_isa()} {keep}"
