@@ -95,6 +95,29 @@ def test_two_compiled_engines_keep_their_own_weights(model_dir, compiled_engine,
     assert got != [o.token_ids for o in compiled_engine.generate(batch, GREEDY)]
 
 
+def test_the_kernels_read_packed_copies_of_the_float_weights(compiled_engine):
+    """Where lmops' kernels are built, the graphs' few-row products read every float32 weight
+    packed for the kernel (the LM head's too), a copy `memory_bytes` counts."""
+    forward = compiled_engine.runner.forward
+    if not kernels.kernels_loaded():
+        assert forward.blocks_nbytes == 0
+        pytest.skip("no AVX2 and FMA: no kernel")
+    packed = 0
+    for (_, *weights), blocks in zip(
+        [(w_in, qkv, o, gu, down) for w_in, qkv, o, _, gu, down in forward.layers],
+        forward.blocks,
+        strict=True,
+    ):
+        for w, b in zip(weights, blocks, strict=True):
+            assert torch.equal(b, kernels.pack_weight(w)) and b.data_ptr() != w.data_ptr()
+            packed += b.nbytes
+    head = compiled_engine.model.lm_head.weight
+    assert torch.equal(forward.head_blocks, kernels.pack_weight(head))
+    assert forward.blocks_nbytes == packed + forward.head_blocks.nbytes
+    state = sum(t.nbytes for t in compiled_engine.model.state_dict().values())
+    assert compiled_engine.memory_bytes == state + forward.blocks_nbytes + compiled_engine.pool.nbytes
+
+
 def test_lmops_compile_env_rejects_other_values(monkeypatch):
     monkeypatch.setenv("LMOPS_COMPILE", "maybe")
     with pytest.raises(ValueError, match="LMOPS_COMPILE must be one of"):
@@ -108,6 +131,7 @@ def test_compiled_int8_matches_eager_int8(model_dir, prompts):
         for c in (True, False)
     ]
     assert engines[0].runner.decode is not None
+    assert engines[0].runner.forward.blocks_nbytes == 0  # nothing packed for lmops' float32 kernel
     batch = prompts[5:7]
     compiled, eager = ([o.token_ids for o in e.generate(batch, GREEDY)] for e in engines)
     assert compiled == eager
@@ -422,21 +446,21 @@ def test_multi_step_is_a_compiled_path_only(model_dir, prompts):
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["lmops-kernel", "inductor-loop"])
 @pytest.mark.parametrize("rows", [1, 5, SMALL_PRODUCT_ROWS])
-def test_compiled_small_products_are_our_own(rows, kernel, tmp_path, monkeypatch):
-    """Below SMALL_PRODUCT_ROWS rows a compiled projection is lmops' kernel where it is
-    built, else inductor's own loop, never an aten.mm call (MKL's generic code on AMD
-    CPUs), and it equals F.linear; so does the normed one, which scales the outputs by
-    1/rms instead of the inputs."""
+def test_compiled_small_products_are_our_own(rows, kernel, tmp_path):
+    """Below SMALL_PRODUCT_ROWS rows a compiled projection is lmops' kernel where its weight
+    is packed for it (the kernels built), else inductor's own loop, never an aten.mm call
+    (MKL's generic code on AMD CPUs), and it equals F.linear; so does the normed one, which
+    scales the outputs by 1/rms instead of the inputs."""
     from torch._inductor.utils import run_and_get_code
 
     if kernel and not kernels.load_kernels(tmp_path, "test"):
         pytest.skip("no AVX2 and FMA: no kernel")
-    monkeypatch.setattr(kernels, "_loaded", kernel)  # read while tracing
     x, w, g = torch.randn(rows, 192), torch.randn(320, 192), torch.rand(192) + 0.5
-    out, code = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, w)
+    blocks = kernels.pack_weight(w) if kernel else None
+    out, code = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, w, blocks)
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
     code = "".join(code)
     assert ("extern_kernels.mm(" in code) == (rows >= SMALL_PRODUCT_ROWS)
     assert ("torch.ops.lmops.small_linear" in code) == (kernel and rows < SMALL_PRODUCT_ROWS)
-    normed = torch.compile(norm_linear, fullgraph=True, dynamic=False)(x, g, w, 1e-5)
+    normed = torch.compile(norm_linear, fullgraph=True, dynamic=False)(x, g, w, 1e-5, blocks)
     torch.testing.assert_close(normed, F.linear(rms_norm(x, g, 1e-5), w), rtol=1e-5, atol=1e-4)

@@ -34,22 +34,32 @@ def ops(library):
     return torch.ops.lmops
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 15])
-@pytest.mark.parametrize(("n", "k"), [(320, 192), (4096, 192), (192, 1024), (7, 13), (1, 1), (5, 8), (6, 9)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 15])
+@pytest.mark.parametrize(
+    ("n", "k"), [(320, 192), (4096, 192), (192, 1024), (100, 13), (7, 1), (64, 8), (65, 9)]
+)
 def test_small_linear_equals_f_linear(ops, rows, n, k):
-    """Whole and partial vectors of K, blocks of 4 rows of w and the rows past them, odd
-    and even rows of x."""
+    """Every register tile (1 to 6 rows of x) and rows past 6, whole blocks of 64 of w's rows
+    and a padded last one (n not a multiple of 64), any K."""
     x, w = torch.randn(rows, k), torch.randn(n, k)
-    torch.testing.assert_close(ops.small_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    blocks = kernels.pack_weight(w)
+    assert blocks.shape == (-(-n // 64), k, 64)
+    torch.testing.assert_close(ops.small_linear(x, blocks, n), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 def test_small_linear_takes_strided_inputs_and_refuses_others(ops):
     x, w = torch.randn(3, 40)[:, ::2], torch.randn(20, 64)[:, 10:30]
-    torch.testing.assert_close(ops.small_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    blocks = kernels.pack_weight(w)
+    torch.testing.assert_close(ops.small_linear(x, blocks, 20), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        ops.small_linear(x, blocks.transpose(0, 1).contiguous().transpose(0, 1), 20), F.linear(x, w)
+    )
     with pytest.raises(RuntimeError, match="float32 CPU tensors only"):
-        ops.small_linear(x.double(), w.double())
-    with pytest.raises(RuntimeError, match=r"x \(rows, K\) and w \(N, K\)"):
-        ops.small_linear(x, torch.randn(4, 7))
+        ops.small_linear(x.double(), blocks.double(), 20)
+    with pytest.raises(RuntimeError, match=r"w_blocks \(ceil\(n / 64\), K, 64\)"):
+        ops.small_linear(x, blocks, 65)  # more rows than the blocks hold
+    with pytest.raises(RuntimeError, match=r"w_blocks \(ceil\(n / 64\), K, 64\)"):
+        ops.small_linear(x, kernels.pack_weight(torch.randn(4, 7)), 4)
 
 
 def attention(q, k, v, mask, scale):

@@ -200,7 +200,8 @@ class CompiledDecode:
         inductor_cache = Path(cache_dir())
         self.cache_dir = inductor_cache / "lmops-decode"
         _keep_precompiled_headers_in(inductor_cache)
-        load_kernels(self.cache_dir, _cpu_instruction_sets())  # before tracing: the graphs call them
+        if load_kernels(self.cache_dir, _cpu_instruction_sets()):  # before tracing: the graphs call them
+            forward.pack_for_kernels()
         key = _structure_key(forward, pool)
         shapes = [(b, 1) for b in self.sizes] + [(b, self.verify_len) for b in self.verify_sizes]
         self.scheduler_steps = scheduler_steps

@@ -240,9 +240,11 @@ class LLMEngine:
 
     @property
     def memory_bytes(self) -> int:
-        """What this engine holds on its device: the weights (a draft model's too) and the
-        paged KV cache (not the draft model's per-sequence caches, which come and go)."""
+        """What this engine holds on its device: the weights (a draft model's too, and the
+        copies packed for lmops' kernels) and the paged KV cache (not the draft model's
+        per-sequence caches, which come and go)."""
         weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        weights += self.runner.forward.blocks_nbytes
         return weights + self.pool.nbytes + (self.draft_model.nbytes if self.draft_model else 0)
 
     # -- requests ----------------------------------------------------------------------

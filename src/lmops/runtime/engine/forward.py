@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from lmops.runtime.engine.kernels import kernels_loaded
+from lmops.runtime.engine.kernels import pack_weight
 from lmops.runtime.hugepages import move_to_huge_pages
 from lmops.runtime.model import Llama, inv_rms, rms_norm, rope_cos_sin
 
@@ -42,6 +42,8 @@ class FusedForward:
     forward (used by references and tests) keeps working on the same numbers. (Those
     views share storage, so save such a model with `.clone()`d tensors, not directly.) On
     CPU every tensor a step reads then moves onto huge pages (lmops.runtime.hugepages).
+    A compiled CPU graph whose products go through lmops' kernel reads its float32 weights
+    packed for it (`pack_for_kernels`), a second copy of them.
     """
 
     def __init__(self, model: Llama):
@@ -71,6 +73,10 @@ class FusedForward:
                 if cfg.qk_norm:
                     heads = (a.q_norm.weight.expand(self.n_head, -1), a.k_norm.weight.expand(self.n_kv, -1))
                     self.qk_norms.append(torch.cat(heads))
+        # Each layer's (qkv, o, gate_up, down) weights and the LM head's packed for lmops'
+        # kernel (`pack_for_kernels`); None: the few-row products take inductor's loop.
+        self.blocks: list[tuple[torch.Tensor | None, ...]] = [(None,) * 4 for _ in self.layers]
+        self.head_blocks: torch.Tensor | None = None
         device = qkv.device
         cos, sin = rope_cos_sin(torch.arange(cfg.max_seq_len, device=device), cfg.head_dim, cfg.rope_theta)
         half = cfg.head_dim // 2
@@ -79,6 +85,28 @@ class FusedForward:
         if device.type == "cpu":  # every tensor a step reads, the model's own included
             weights = [t for layer in self.layers for w in layer for t in _tensors(w)]
             move_to_huge_pages([*model.parameters(), *weights, *self.qk_norms, self.cos, self.sin_signed])
+
+    def pack_for_kernels(self) -> None:
+        """Pack the float32 CPU weights of the products for lmops' kernel (kernels.pack_weight),
+        which the compiled decode graph's few-row products then read (int8 weights keep their
+        own path); on huge pages as the weights are. Copies, taken once: an engine's weights
+        never change in place (a new model version is a new engine)."""
+
+        def pack(w) -> torch.Tensor | None:
+            is_float = isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
+            return pack_weight(w) if is_float else None
+
+        self.blocks = [tuple(pack(w) for w in (qkv, o, gu, down)) for _, qkv, o, _, gu, down in self.layers]
+        self.head_blocks = pack(self.model.lm_head.weight)
+        move_to_huge_pages(self._packed())
+
+    @property
+    def blocks_nbytes(self) -> int:
+        """What the packed copies (`pack_for_kernels`) hold."""
+        return sum(b.nbytes for b in self._packed())
+
+    def _packed(self) -> list[torch.Tensor]:
+        return [b for b in (*(b for layer in self.blocks for b in layer), self.head_blocks) if b is not None]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attend) -> torch.Tensor:
         """(T,) ids and positions -> (T, n_embd) hidden states (before the final norm)."""
@@ -94,36 +122,40 @@ class FusedForward:
         cos = torch.cat((cos.expand(T, H + Hkv, D), cos.new_ones(T, Hkv, D)), 1)
         sin = torch.cat((sin.expand(T, H + Hkv, D), sin.new_zeros(T, Hkv, D)), 1)
         for i, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
-            qkv = norm_linear(x, w_in, w_qkv, self.eps).view(T, H + 2 * Hkv, D)
+            b_qkv, b_o, b_gu, b_down = self.blocks[i]
+            qkv = norm_linear(x, w_in, w_qkv, self.eps, b_qkv).view(T, H + 2 * Hkv, D)
             if self.qk_norms:
                 qk = rms_norm(qkv[:, : H + Hkv], self.qk_norms[i], self.eps)
                 qkv = torch.cat((qk, qkv[:, H + Hkv :]), 1)
             x1, x2 = qkv.chunk(2, dim=-1)
             qkv = torch.addcmul(torch.cat((x2, x1), dim=-1).mul_(sin), qkv, cos)
             y = attn(i, qkv[:, :H], qkv[:, H:])
-            x = x + linear(y.reshape(T, H * D), w_o)
-            gu = norm_linear(x, w_post, w_gu, self.eps)
-            x.add_(linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down))
+            x = x + linear(y.reshape(T, H * D), w_o, b_o)
+            gu = norm_linear(x, w_post, w_gu, self.eps, b_gu)
+            x.add_(linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down, b_down))
         return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states (rows, n_embd) -> float32 logits (rows, vocab): final norm, LM head."""
         m = self.model
-        return norm_linear(h, m.model.norm.weight, m.lm_head.weight, self.eps).float()
+        return norm_linear(h, m.model.norm.weight, m.lm_head.weight, self.eps, self.head_blocks).float()
 
 
-def linear(x: torch.Tensor, w) -> torch.Tensor:
+def linear(x: torch.Tensor, w, blocks: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w)` (`w` a weight tensor or a quantize.Int8Weight); for few rows in a
-    compiled CPU graph, our own product (`_own_loop`)."""
-    return _few_rows(x, w) if _own_loop(x, w) else F.linear(x, w)
+    compiled CPU graph, our own product (`_own_loop`), through lmops' kernel where `blocks`
+    is `w` packed for it."""
+    return _few_rows(x, w, blocks) if _own_loop(x, w) else F.linear(x, w)
 
 
-def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float) -> torch.Tensor:
+def norm_linear(
+    x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float, blocks: torch.Tensor | None = None
+) -> torch.Tensor:
     """`linear(rms_norm(x, norm_weight, eps), w)`. In our own product each row's 1/rms
     scales the product's outputs, not its inputs: inlined into inductor's loop, the norm
     cost a square root per 16 weights read (the LM head over 5 rows 3.6x slower, over 1 row 1.4x)."""
     if _own_loop(x, w):
-        return _few_rows(x * norm_weight, w) * inv_rms(x, eps)
+        return _few_rows(x * norm_weight, w, blocks) * inv_rms(x, eps)
     return F.linear(rms_norm(x, norm_weight, eps), w)
 
 
@@ -142,10 +174,13 @@ def _own_loop(x: torch.Tensor, w) -> bool:
     )
 
 
-def _few_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """`x @ w.T` for a few rows in a compiled graph: lmops' kernel (engine/kernels.py, which
-    reads the weight once for all rows), or where it is not built, inductor's loop."""
-    return torch.ops.lmops.small_linear(x, w) if kernels_loaded() else _row_sums(x, w)
+def _few_rows(x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor | None) -> torch.Tensor:
+    """`x @ w.T` for a few rows in a compiled graph: lmops' kernel on `blocks`, `w` packed
+    for it (engine/kernels.py: it reads the weight once for all rows), or without them
+    (the kernels not built), inductor's loop."""
+    if blocks is not None:
+        return torch.ops.lmops.small_linear(x, blocks, w.shape[0])
+    return _row_sums(x, w)
 
 
 def _row_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,13 @@
 // lmops' kernels for the compiled CPU decode graph (kernels.py builds them where the CPU has
 // AVX2 and FMA, and says when they are used); float32, 8 floats a vector.
 //
-// lmops::small_linear(x, w) = x @ w.T for a few rows of x: the graph's projections. A decode
-// step reads every weight once and does little arithmetic with it, so what counts is how fast
-// w streams in. Each block of 4 rows of w is read from memory once and kept in L1 while every
-// row of x passes over it, 2 rows of x at a time (8 accumulators in registers); inductor's
-// loop for the same product streams w once a row of x.
+// lmops::small_linear(x, w_blocks, n) = x @ w.T for a few rows of x: the graph's projections,
+// against the weight w (n, K) packed as blocks of 64 of its rows, each block stored k-major
+// (kernels.py's pack_weight: (blocks, K, 64)). A decode step reads every weight once and does
+// little arithmetic with it, so what counts is how fast w streams in: a block is one
+// sequential run of memory, which the hardware prefetches well, and each of its k rows is
+// read once for every row of x (up to 6 at a time, the outputs in registers, no sums across
+// a vector's lanes).
 //
 // lmops::decode_attention(q, k, v, mask, scale): the graph's attention, in one call a layer
 // where it was two batched products through MKL (its generic code on AMD CPUs) and a softmax.
@@ -22,13 +24,9 @@
 
 namespace {
 
-constexpr int64_t kRowsOfW = 4;
-
-// The lanes of the last, partial vector of a row of K floats (all lanes if K % 8 == 0).
-__m256i tail_mask(int64_t K) {
-  const int64_t left = K % 8 == 0 ? 8 : K % 8;
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
+// The attention's scores are dot products of q's rows with k's rows (D floats, a multiple of 8):
+// each block of 4 rows of k is read once while q's rows pass over it, 2 at a time.
+constexpr int64_t kRowsOfK = 4;
 
 float sum(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -42,61 +40,112 @@ __m128 sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// Rows r..r+RX-1 of x against rows n..n+3 of w, into y.
+// Rows r..r+RX-1 of q against rows n..n+3 of k, into s (N floats a row).
 template <int RX>
-void tile(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t r, int64_t n, __m256i mask) {
-  const float* wn = w + n * K;
-  __m256 acc[RX][kRowsOfW];
+void score_tile(const float* q, const float* k, float* s, int64_t N, int64_t D, int64_t r, int64_t n) {
+  const float* kn = k + n * D;
+  __m256 acc[RX][kRowsOfK];
   for (int i = 0; i < RX; ++i)
-    for (int j = 0; j < kRowsOfW; ++j) acc[i][j] = _mm256_setzero_ps();
-  auto step = [&](int64_t k, auto load) {
-    __m256 q[kRowsOfW];
-    for (int j = 0; j < kRowsOfW; ++j) q[j] = load(wn + j * K + k);
+    for (int j = 0; j < kRowsOfK; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 kv[kRowsOfK];
+    for (int j = 0; j < kRowsOfK; ++j) kv[j] = _mm256_loadu_ps(kn + j * D + d);
     for (int i = 0; i < RX; ++i) {
-      const __m256 v = load(x + (r + i) * K + k);
-      for (int j = 0; j < kRowsOfW; ++j) acc[i][j] = _mm256_fmadd_ps(q[j], v, acc[i][j]);
+      const __m256 qv = _mm256_loadu_ps(q + (r + i) * D + d);
+      for (int j = 0; j < kRowsOfK; ++j) acc[i][j] = _mm256_fmadd_ps(kv[j], qv, acc[i][j]);
     }
-  };
-  const int64_t last = (K - 1) / 8 * 8;  // the start of the last vector, whole or partial
-  for (int64_t k = 0; k < last; k += 8) step(k, [](const float* p) { return _mm256_loadu_ps(p); });
-  step(last, [mask](const float* p) { return _mm256_maskload_ps(p, mask); });
-  for (int i = 0; i < RX; ++i) _mm_storeu_ps(y + (r + i) * N + n, sums(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+  }
+  for (int i = 0; i < RX; ++i) _mm_storeu_ps(s + (r + i) * N + n, sums(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
 }
 
-// Every row of x against row n of w: the last N % 4 rows of w.
-void single_row_of_w(const float* x, const float* w, float* y, int64_t R, int64_t N, int64_t K, int64_t n, __m256i mask) {
-  const float* wn = w + n * K;
-  const int64_t last = (K - 1) / 8 * 8;
+// Every row of q against row n of k: the last N % 4 rows of k.
+void score_row(const float* q, const float* k, float* s, int64_t R, int64_t N, int64_t D, int64_t n) {
+  const float* kn = k + n * D;
   for (int64_t r = 0; r < R; ++r) {
-    const float* xr = x + r * K;
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t k = 0; k < last; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(wn + k), _mm256_loadu_ps(xr + k), acc);
-    acc = _mm256_fmadd_ps(_mm256_maskload_ps(wn + last, mask), _mm256_maskload_ps(xr + last, mask), acc);
-    y[r * N + n] = sum(acc);
+    for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(kn + d), _mm256_loadu_ps(q + r * D + d), acc);
+    s[r * N + n] = sum(acc);
   }
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(1) > 0,
-              "small_linear: x (rows, K) and w (N, K), K > 0; got ", x.sizes(), " and ", w.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_cpu() && w.is_cpu(),
+constexpr int64_t kBlock = 64;  // columns of a packed weight's block (kernels.py's BLOCK)
+
+// Rows 0..RX-1 of x (K floats each) against 8 * C columns of a block (k-major, kBlock floats
+// a k), into y (ldy floats a row).
+// (The loops over rows and vectors are unrolled first, so the accumulators stay in registers:
+// without it GCC kept them on the stack, a store a multiply-add, and 5 rows ran 1.7x slower.)
+template <int RX, int C>
+void block_tile(const float* x, int64_t K, const float* wb, float* y, int64_t ldy) {
+  __m256 acc[RX][C];
+#pragma GCC unroll 8
+  for (int i = 0; i < RX; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) w[c] = _mm256_loadu_ps(wb + k * kBlock + 8 * c);
+#pragma GCC unroll 8
+    for (int i = 0; i < RX; ++i) {
+      const __m256 b = _mm256_broadcast_ss(x + i * K + k);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm256_fmadd_ps(b, w[c], acc[i][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < RX; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + i * ldy + 8 * c, acc[i][c]);
+}
+
+template <int RX, int C>
+void block_rows(const float* x, int64_t K, const float* wb, float* y, int64_t ldy) {
+  for (int64_t c = 0; c < kBlock; c += 8 * C) block_tile<RX, C>(x, K, wb + c, y + c, ldy);
+}
+
+// Every row of x against one block, up to 6 rows at a time; the register tiles (rows x
+// columns: 1 x 64, 2 x 32, 3-6 x 16) keep at most 12 accumulators of the 16 registers.
+void block_product(const float* x, int64_t R, int64_t K, const float* wb, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < R; r += 6) {
+    const float* xr = x + r * K;
+    float* yr = y + r * ldy;
+    switch (std::min<int64_t>(6, R - r)) {
+      case 1: block_rows<1, 8>(xr, K, wb, yr, ldy); break;
+      case 2: block_rows<2, 4>(xr, K, wb, yr, ldy); break;
+      case 3: block_rows<3, 2>(xr, K, wb, yr, ldy); break;
+      case 4: block_rows<4, 2>(xr, K, wb, yr, ldy); break;
+      case 5: block_rows<5, 2>(xr, K, wb, yr, ldy); break;
+      default: block_rows<6, 2>(xr, K, wb, yr, ldy); break;
+    }
+  }
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w_blocks, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && w_blocks.dim() == 3 && w_blocks.size(2) == kBlock && x.size(1) == w_blocks.size(1) &&
+                  x.size(1) > 0 && n > (w_blocks.size(0) - 1) * kBlock && n <= w_blocks.size(0) * kBlock,
+              "small_linear: x (rows, K), K > 0, and w_blocks (ceil(n / 64), K, 64); got ", x.sizes(), ", ",
+              w_blocks.sizes(), " and n ", n);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w_blocks.scalar_type() == at::kFloat && x.is_cpu() && w_blocks.is_cpu(),
               "small_linear: float32 CPU tensors only");
-  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
-  const int64_t R = xc.size(0), N = wc.size(0), K = wc.size(1);
-  at::Tensor y = at::empty({R, N}, xc.options());
+  const at::Tensor xc = x.contiguous(), wc = w_blocks.contiguous();
+  const int64_t R = xc.size(0), K = xc.size(1), blocks = wc.size(0);
+  at::Tensor y = at::empty({R, n}, xc.options());
+  if (R == 0) return y;
   const float* xp = xc.const_data_ptr<float>();
   const float* wp = wc.const_data_ptr<float>();
   float* yp = y.mutable_data_ptr<float>();
-  const __m256i mask = tail_mask(K);
-  // Blocks of w split between threads (16 blocks at least each: 64 rows of w).
-  at::parallel_for(0, N / kRowsOfW, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      int64_t r = 0;
-      for (; r + 2 <= R; r += 2) tile<2>(xp, wp, yp, N, K, r, b * kRowsOfW, mask);
-      if (r < R) tile<1>(xp, wp, yp, N, K, r, b * kRowsOfW, mask);
+      const int64_t width = std::min(kBlock, n - b * kBlock);
+      if (width == kBlock) {
+        block_product(xp, R, K, wp + b * K * kBlock, yp + b * kBlock, n);
+        continue;
+      }
+      std::vector<float> part(R * kBlock);  // the last block's columns past n are padding
+      block_product(xp, R, K, wp + b * K * kBlock, part.data(), kBlock);
+      for (int64_t r = 0; r < R; ++r) std::copy_n(part.data() + r * kBlock, width, yp + r * n + b * kBlock);
     }
   });
-  for (int64_t n = N / kRowsOfW * kRowsOfW; n < N; ++n) single_row_of_w(xp, wp, yp, R, N, K, n, mask);
   return y;
 }
 
@@ -120,20 +169,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float* mp = mc.const_data_ptr<float>();
   float* yp = y.mutable_data_ptr<float>();
   using Vec = at::vec::Vectorized<float>;
-  const __m256i whole = tail_mask(8);
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p(R * N), inv(R);
     for (int64_t t = begin; t < end; ++t) {
       const float *qt = qp + t * R * D, *kt = kp + t * N * D, *vt = vp + t * N * D, *mt = mp + (t % B) * R * N;
       float* pt = p.data();
-      // Scores: small_linear's tiles, the keys as w's rows.
+      // Scores.
       int64_t n = 0;
-      for (; n + kRowsOfW <= N; n += kRowsOfW) {
+      for (; n + kRowsOfK <= N; n += kRowsOfK) {
         int64_t r = 0;
-        for (; r + 2 <= R; r += 2) tile<2>(qt, kt, pt, N, D, r, n, whole);
-        if (r < R) tile<1>(qt, kt, pt, N, D, r, n, whole);
+        for (; r + 2 <= R; r += 2) score_tile<2>(qt, kt, pt, N, D, r, n);
+        if (r < R) score_tile<1>(qt, kt, pt, N, D, r, n);
       }
-      for (; n < N; ++n) single_row_of_w(qt, kt, pt, R, N, D, n, whole);
+      for (; n < N; ++n) score_row(qt, kt, pt, R, N, D, n);
       // Softmax of each row, scaled and masked; its 1/sum is applied to the outputs.
       for (int64_t r = 0; r < R; ++r) {
         float* row = pt + r * N;
@@ -188,7 +236,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace
 
 TORCH_LIBRARY(lmops, m) {
-  m.def("small_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor w_blocks, int n) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(lmops, CPU, m) {

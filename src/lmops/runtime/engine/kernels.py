@@ -1,12 +1,13 @@
 """lmops' own C++ kernels for the compiled CPU decode graph (kernels.cpp): the few-row
-float32 products (`torch.ops.lmops.small_linear`, through `forward.linear`) and the decode
+float32 products (`torch.ops.lmops.small_linear`, through `forward.linear`, against weights
+packed by `pack_weight`) and the decode
 attention (`torch.ops.lmops.decode_attention`, compiled.DecodeAttention). Built with the C++
 compiler inductor uses, the first time an engine compiles its decode graphs on a machine
 (about 10 s on 2 cores), and kept beside the graphs, which load them in milliseconds after that.
 
 At batch 1 a decode step is its products, each reading a weight once, and inductor's loop
-for a product of a few rows streams the weight once a row, where the kernel streams it once
-and reuses it from L1 for every row; the attention was two batched products through MKL (its
+for a product of a few rows streams the weight once a row, where the kernel streams it once,
+in blocks laid out in the order it reads them, for every row; the attention was two batched products through MKL (its
 generic code on AMD CPUs) around a softmax, and is one call a layer. Built where the CPU has
 AVX2 and FMA (torch's CPU capability AVX2 or AVX512); elsewhere, or if the build fails
 (logged), the graphs keep inductor's loops and MKL's attention. What they gain:
@@ -27,6 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
+BLOCK = 64  # a packed weight's rows a block (kernels.cpp's kBlock)
 _loaded: bool | None = None  # None: not tried in this process
 _loading = threading.Lock()  # engines may start in threads (a live champion's swap)
 
@@ -89,9 +91,18 @@ def build_kernels(directory: Path, cpu_signature: str) -> Path | None:
     return library
 
 
-def _small_linear_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What small_linear returns, for tracing: (rows, N), contiguous."""
-    return x.new_empty(x.shape[0], w.shape[0])
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """A float32 weight (N, K) as `small_linear` reads it: (ceil(N / 64), K, 64), blocks of
+    64 of its rows (the last one padded with zeros), each stored k-major, so the kernel
+    streams a block front to back."""
+    blocks = -(-w.shape[0] // BLOCK)
+    padded = torch.nn.functional.pad(w.detach(), (0, 0, 0, blocks * BLOCK - w.shape[0]))
+    return padded.view(blocks, BLOCK, w.shape[1]).transpose(1, 2).contiguous()
+
+
+def _small_linear_shape(x: torch.Tensor, w_blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """What small_linear returns, for tracing: (rows, n), contiguous."""
+    return x.new_empty(x.shape[0], n)
 
 
 def _decode_attention_shape(q, k, v, mask, scale) -> torch.Tensor:
