@@ -23,8 +23,9 @@ from lmops.runtime.model import Llama, inv_rms, rms_norm, rope_cos_sin
 
 # Below this many rows a compiled CPU graph computes its float32 projections itself (`linear`);
 # from here on aten.mm's GEMM is as fast (the crossover: benchmarks/README.md, "The single-row
-# products"; lmops' own kernel is level with it from 8 rows: at 12 and 15 rows 0.8x-1.2x its time,
-# by shape, on the AVX2 EPYC of benchmarks/README.md, "Kernels of our own").
+# products"). lmops' kernel on packed weights is ahead of aten.mm on the AVX2 EPYC at 16 and 24
+# rows too, but unmeasured against MKL's AVX-512 code on an Intel CPU, so the line stays here
+# (benchmarks/README.md, "The products' weights packed for the kernel").
 SMALL_PRODUCT_ROWS = 16
 
 
