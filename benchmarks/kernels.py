@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--out", type=Path, default=RESULTS / "kernels-cpu.json")
     args = ap.parse_args(argv)
-    if not kernels.load_kernels(Path(tempfile.mkdtemp(prefix="lmops-kernels-")), "benchmark"):
-        raise SystemExit("lmops' kernels are not built on this CPU (they need AVX2 and FMA)")
+    with tempfile.TemporaryDirectory(prefix="lmops-kernels-") as build:  # loaded, the library may go
+        if not kernels.load_kernels(Path(build), "benchmark"):
+            raise SystemExit("lmops' kernels are not built on this CPU (they need AVX2 and FMA)")
     result = {
         "cpu": cpu_description(),
         "working_set_mb": args.working_set_mb,

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lmops.pipeline.random_model import random_model_dir
 from lmops.runtime.engine import LLMEngine, SamplingParams, kernels
 from lmops.runtime.engine import compiled as compiled_module
 from lmops.runtime.engine import engine as engine_module
@@ -17,6 +18,8 @@ from lmops.runtime.engine import scheduler as scheduler_module
 from lmops.runtime.engine.config import EngineConfig
 from lmops.runtime.engine.forward import SMALL_PRODUCT_ROWS, linear, norm_linear
 from lmops.runtime.model import rms_norm
+from lmops.runtime.model_config import TINY_SHAPE
+from tests.unit.engine.conftest import MAX_LEN, synthetic_corpus
 
 GREEDY_FIELDS = {"temperature": 0, "max_tokens": 20, "ignore_eos": True}
 GREEDY = SamplingParams(**GREEDY_FIELDS)
@@ -81,18 +84,55 @@ def test_compile_failure_falls_back_to_eager(model_dir, prompts, monkeypatch, ca
     assert len(engine.generate([prompts[2]], GREEDY)[0].token_ids) == GREEDY.max_tokens
 
 
-def test_two_compiled_engines_keep_their_own_weights(model_dir, compiled_engine, prompts):
-    """Each engine compiles its own graphs and calls them with no guard checks (compiled.py):
-    a second engine's steps must read its own weights, not the first one's."""
-    other = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=True)
-    with torch.no_grad():
-        other.model.model.norm.weight.mul_(-1)  # argmax becomes argmin: other tokens
+def test_a_compile_failure_after_packing_drops_the_packed_weights(model_dir, monkeypatch, caplog):
+    """The kernels loaded and the weights packed for them, then a graph fails to compile: the
+    engine decodes eagerly and keeps no packed copy nobody reads (nor counts one)."""
+    packed = []
+
+    def broken(self, *args, **kwargs):
+        packed.append(len(self.forward.packed_tensors()))
+        raise RuntimeError("out of disk")
+
+    monkeypatch.setattr(compiled_module.CompiledDecode, "_load_or_compile", broken)
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=2, compile=True)
+    assert engine.runner.decode is None and "decoding eagerly: out of disk" in caplog.text
+    if not kernels.kernels_loaded():
+        pytest.skip("no AVX2 and FMA: nothing was packed")
+    assert packed == [4 * engine.model.config.n_layer + 1]  # the failure came after packing
+    assert engine.runner.forward.packed_tensors() == []
+    state = sum(t.nbytes for t in engine.model.state_dict().values())
+    assert engine.memory_bytes == state + engine.pool.nbytes
+
+
+def test_two_compiled_engines_keep_their_own_weights(compiled_engine, prompts, tmp_path):
+    """An engine loads the graphs an engine of the same structure compiled and calls them
+    with no guard checks (compiled.py): its steps must read its own weights, not the first
+    one's: another model of the same structure (its products' weights packed for lmops'
+    kernel where it is built), whose final norm is also changed in place after it starts
+    (read as it is at each call)."""
+    other_dir = random_model_dir(
+        tmp_path, synthetic_corpus(), 512, MAX_LEN, seed=1, init_std=0.15, **TINY_SHAPE
+    )
+    pool = compiled_engine.pool  # the same size (the graphs' key has it): its blocks but the scratch one
+    other = LLMEngine.from_pretrained(
+        other_dir,
+        device="cpu",
+        max_num_seqs=3,
+        compile=True,
+        num_scheduler_steps=1,
+        kv_cache_memory=pool.nbytes - pool.nbytes // pool.num_blocks,
+    )
+    assert other.runner.decode.graphs_compiled == 0  # all loaded
     batch = prompts[10:13]
-    got = [o.token_ids for o in other.generate(batch, GREEDY)]
-    decode, other.runner.decode = other.runner.decode, None
-    assert got == [o.token_ids for o in other.generate(batch, GREEDY)]
-    other.runner.decode = decode
-    assert got != [o.token_ids for o in compiled_engine.generate(batch, GREEDY)]
+    for change in ("weights", "norm"):
+        if change == "norm":
+            with torch.no_grad():
+                other.model.model.norm.weight.mul_(-1)  # argmax becomes argmin: other tokens
+        got = [o.token_ids for o in other.generate(batch, GREEDY)]
+        decode, other.runner.decode = other.runner.decode, None
+        assert got == [o.token_ids for o in other.generate(batch, GREEDY)]
+        other.runner.decode = decode
+        assert got != [o.token_ids for o in compiled_engine.generate(batch, GREEDY)]
 
 
 def test_the_kernels_read_packed_copies_of_the_float_weights(compiled_engine):
@@ -100,22 +140,17 @@ def test_the_kernels_read_packed_copies_of_the_float_weights(compiled_engine):
     packed for the kernel (the LM head's too), a copy `memory_bytes` counts."""
     forward = compiled_engine.runner.forward
     if not kernels.kernels_loaded():
-        assert forward.blocks_nbytes == 0
+        assert forward.packed_tensors() == []
         pytest.skip("no AVX2 and FMA: no kernel")
-    packed = 0
-    for (_, *weights), blocks in zip(
-        [(w_in, qkv, o, gu, down) for w_in, qkv, o, _, gu, down in forward.layers],
-        forward.blocks,
-        strict=True,
-    ):
-        for w, b in zip(weights, blocks, strict=True):
-            assert torch.equal(b, kernels.pack_weight(w)) and b.data_ptr() != w.data_ptr()
-            packed += b.nbytes
-    head = compiled_engine.model.lm_head.weight
-    assert torch.equal(forward.head_blocks, kernels.pack_weight(head))
-    assert forward.blocks_nbytes == packed + forward.head_blocks.nbytes
+    products = [(qkv, o, gu, down) for _, qkv, o, _, gu, down in forward.layers]
+    products.append((compiled_engine.model.lm_head.weight,))
+    for weights, packed in zip(products, [*forward.packed, (forward.packed_head,)], strict=True):
+        for w, p in zip(weights, packed, strict=True):
+            assert torch.equal(p, kernels.pack_weight(w)) and p.data_ptr() != w.data_ptr()
+    assert len(forward.packed_tensors()) == 4 * len(forward.layers) + 1
     state = sum(t.nbytes for t in compiled_engine.model.state_dict().values())
-    assert compiled_engine.memory_bytes == state + forward.blocks_nbytes + compiled_engine.pool.nbytes
+    packed = sum(t.nbytes for t in forward.packed_tensors())
+    assert compiled_engine.memory_bytes == state + packed + compiled_engine.pool.nbytes
 
 
 def test_lmops_compile_env_rejects_other_values(monkeypatch):
@@ -131,7 +166,7 @@ def test_compiled_int8_matches_eager_int8(model_dir, prompts):
         for c in (True, False)
     ]
     assert engines[0].runner.decode is not None
-    assert engines[0].runner.forward.blocks_nbytes == 0  # nothing packed for lmops' float32 kernel
+    assert engines[0].runner.forward.packed_tensors() == []  # nothing packed for lmops' float32 kernel
     batch = prompts[5:7]
     compiled, eager = ([o.token_ids for o in e.generate(batch, GREEDY)] for e in engines)
     assert compiled == eager
@@ -456,11 +491,11 @@ def test_compiled_small_products_are_our_own(rows, kernel, tmp_path):
     if kernel and not kernels.load_kernels(tmp_path, "test"):
         pytest.skip("no AVX2 and FMA: no kernel")
     x, w, g = torch.randn(rows, 192), torch.randn(320, 192), torch.rand(192) + 0.5
-    blocks = kernels.pack_weight(w) if kernel else None
-    out, code = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, w, blocks)
+    packed = kernels.pack_weight(w) if kernel else None
+    out, code = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, w, packed)
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
     code = "".join(code)
     assert ("extern_kernels.mm(" in code) == (rows >= SMALL_PRODUCT_ROWS)
     assert ("torch.ops.lmops.small_linear" in code) == (kernel and rows < SMALL_PRODUCT_ROWS)
-    normed = torch.compile(norm_linear, fullgraph=True, dynamic=False)(x, g, w, 1e-5, blocks)
+    normed = torch.compile(norm_linear, fullgraph=True, dynamic=False)(x, g, w, 1e-5, packed)
     torch.testing.assert_close(normed, F.linear(rms_norm(x, g, 1e-5), w), rtol=1e-5, atol=1e-4)

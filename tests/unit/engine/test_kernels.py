@@ -48,16 +48,18 @@ def test_small_linear_equals_f_linear(ops, rows, n, k):
 
 
 def test_small_linear_takes_strided_inputs_and_refuses_others(ops):
-    x, w = torch.randn(3, 40)[:, ::2], torch.randn(20, 64)[:, 10:30]
-    blocks = kernels.pack_weight(w)
-    torch.testing.assert_close(ops.small_linear(x, blocks, 20), F.linear(x, w), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(
-        ops.small_linear(x, blocks.transpose(0, 1).contiguous().transpose(0, 1), 20), F.linear(x, w)
-    )
+    x, w = torch.randn(3, 40)[:, ::2], torch.randn(130, 64)[:, 10:30]
+    packed = kernels.pack_weight(w)
+    strided = packed.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous()
+    for blocks in (packed, strided):
+        torch.testing.assert_close(ops.small_linear(x, blocks, 130), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert ops.small_linear(x[:0], packed, 130).shape == (0, 130)
     with pytest.raises(RuntimeError, match="float32 CPU tensors only"):
-        ops.small_linear(x.double(), blocks.double(), 20)
-    with pytest.raises(RuntimeError, match=r"w_blocks \(ceil\(n / 64\), K, 64\)"):
-        ops.small_linear(x, blocks, 65)  # more rows than the blocks hold
+        ops.small_linear(x.double(), packed.double(), 130)
+    for n in (128, 193, -1):  # fewer or more rows than the 3 blocks hold
+        with pytest.raises(RuntimeError, match=r"w_blocks \(ceil\(n / 64\), K, 64\), n >= 0"):
+            ops.small_linear(x, packed, n)
     with pytest.raises(RuntimeError, match=r"w_blocks \(ceil\(n / 64\), K, 64\)"):
         ops.small_linear(x, kernels.pack_weight(torch.randn(4, 7)), 4)
 

@@ -187,7 +187,9 @@ class CompiledDecode:
         # left for guards to catch: the caller picks the size, the inputs' dtypes and ranks
         # never change, and the block-table width is symbolic (two blocks at least: a
         # symbolic size of 1 would be specialised). The weights are read from the model at
-        # each call, not baked in, so a graph fits any engine of the same structure.
+        # each call, not baked in, so a graph fits any engine of the same structure (those
+        # the kernel reads from the copies packed for it here, so a weight changed in place
+        # after this is seen by the eager path only; nothing changes one).
         # cpp_wrapper: the code that calls the step's kernels is C++ too, not Python
         # (less per step at batch 1; benchmarks/README.md, "Inference engine").
         options = {"cpp_wrapper": True, "guard_filter_fn": lambda guards: [False] * len(guards)}
@@ -460,7 +462,8 @@ def _structure_key(forward: FusedForward, pool: KVPool) -> str:
     Python, the CPU and thread count it was compiled for, whether it calls lmops' kernels,
     the lmops source it was traced from (the kernels' C++ too), the model config (its sizes
     and eps are constants in the graph), and the kind, shape, dtype and strides of every
-    tensor the graph reads (weights after fusing and quantizing, RoPE tables, the KV pool).
+    tensor the graph reads (weights after fusing and quantizing, their copies packed for lmops'
+    kernel, RoPE tables, the KV pool).
     Not the weights' values, which each call reads afresh. (The pool's size is in it too:
     where free memory sizes the pool, a restart may miss the cache and compile again.)"""
     from torch._inductor.utils import parallel_num_threads  # inductor writes it into the OpenMP loops
@@ -475,6 +478,7 @@ def _structure_key(forward: FusedForward, pool: KVPool) -> str:
     m = forward.model
     reads = [m.model.embed_tokens.weight, m.model.norm.weight, m.lm_head.weight, forward.cos]
     reads += [forward.sin_signed, pool.kv, *(w for layer in forward.layers for w in layer), *forward.qk_norms]
+    reads += forward.packed_tensors()
     h.update(";".join(map(_describe, reads)).encode())
     return h.hexdigest()[:32]
 

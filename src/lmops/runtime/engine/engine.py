@@ -244,7 +244,7 @@ class LLMEngine:
         copies packed for lmops' kernels) and the paged KV cache (not the draft model's
         per-sequence caches, which come and go)."""
         weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        weights += self.runner.forward.blocks_nbytes
+        weights += sum(t.nbytes for t in self.runner.forward.packed_tensors())
         return weights + self.pool.nbytes + (self.draft_model.nbytes if self.draft_model else 0)
 
     # -- requests ----------------------------------------------------------------------

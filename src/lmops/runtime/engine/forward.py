@@ -76,8 +76,9 @@ class FusedForward:
                     self.qk_norms.append(torch.cat(heads))
         # Each layer's (qkv, o, gate_up, down) weights and the LM head's packed for lmops'
         # kernel (`pack_for_kernels`); None: the few-row products take inductor's loop.
-        self.blocks: list[tuple[torch.Tensor | None, ...]] = [(None,) * 4 for _ in self.layers]
-        self.head_blocks: torch.Tensor | None = None
+        self.packed: list[tuple[torch.Tensor | None, ...]] = []
+        self.packed_head: torch.Tensor | None = None
+        self.drop_packed()
         device = qkv.device
         cos, sin = rope_cos_sin(torch.arange(cfg.max_seq_len, device=device), cfg.head_dim, cfg.rope_theta)
         half = cfg.head_dim // 2
@@ -97,17 +98,18 @@ class FusedForward:
             is_float = isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
             return pack_weight(w) if is_float else None
 
-        self.blocks = [tuple(pack(w) for w in (qkv, o, gu, down)) for _, qkv, o, _, gu, down in self.layers]
-        self.head_blocks = pack(self.model.lm_head.weight)
-        move_to_huge_pages(self._packed())
+        self.packed = [tuple(pack(w) for w in (qkv, o, gu, down)) for _, qkv, o, _, gu, down in self.layers]
+        self.packed_head = pack(self.model.lm_head.weight)
+        if self.packed_tensors():
+            move_to_huge_pages(self.packed_tensors())
 
-    @property
-    def blocks_nbytes(self) -> int:
-        """What the packed copies (`pack_for_kernels`) hold."""
-        return sum(b.nbytes for b in self._packed())
+    def drop_packed(self) -> None:
+        """No packed copies (or none any more: the graphs that would read them failed)."""
+        self.packed, self.packed_head = [(None,) * 4 for _ in self.layers], None
 
-    def _packed(self) -> list[torch.Tensor]:
-        return [b for b in (*(b for layer in self.blocks for b in layer), self.head_blocks) if b is not None]
+    def packed_tensors(self) -> list[torch.Tensor]:
+        """The packed copies there are (`pack_for_kernels`)."""
+        return [b for b in (*(b for layer in self.packed for b in layer), self.packed_head) if b is not None]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attend) -> torch.Tensor:
         """(T,) ids and positions -> (T, n_embd) hidden states (before the final norm)."""
@@ -123,40 +125,40 @@ class FusedForward:
         cos = torch.cat((cos.expand(T, H + Hkv, D), cos.new_ones(T, Hkv, D)), 1)
         sin = torch.cat((sin.expand(T, H + Hkv, D), sin.new_zeros(T, Hkv, D)), 1)
         for i, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
-            b_qkv, b_o, b_gu, b_down = self.blocks[i]
-            qkv = norm_linear(x, w_in, w_qkv, self.eps, b_qkv).view(T, H + 2 * Hkv, D)
+            p_qkv, p_o, p_gu, p_down = self.packed[i]
+            qkv = norm_linear(x, w_in, w_qkv, self.eps, p_qkv).view(T, H + 2 * Hkv, D)
             if self.qk_norms:
                 qk = rms_norm(qkv[:, : H + Hkv], self.qk_norms[i], self.eps)
                 qkv = torch.cat((qk, qkv[:, H + Hkv :]), 1)
             x1, x2 = qkv.chunk(2, dim=-1)
             qkv = torch.addcmul(torch.cat((x2, x1), dim=-1).mul_(sin), qkv, cos)
             y = attn(i, qkv[:, :H], qkv[:, H:])
-            x = x + linear(y.reshape(T, H * D), w_o, b_o)
-            gu = norm_linear(x, w_post, w_gu, self.eps, b_gu)
-            x.add_(linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down, b_down))
+            x = x + linear(y.reshape(T, H * D), w_o, p_o)
+            gu = norm_linear(x, w_post, w_gu, self.eps, p_gu)
+            x.add_(linear(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), w_down, p_down))
         return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states (rows, n_embd) -> float32 logits (rows, vocab): final norm, LM head."""
         m = self.model
-        return norm_linear(h, m.model.norm.weight, m.lm_head.weight, self.eps, self.head_blocks).float()
+        return norm_linear(h, m.model.norm.weight, m.lm_head.weight, self.eps, self.packed_head).float()
 
 
-def linear(x: torch.Tensor, w, blocks: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w)` (`w` a weight tensor or a quantize.Int8Weight); for few rows in a
-    compiled CPU graph, our own product (`_own_loop`), through lmops' kernel where `blocks`
+    compiled CPU graph, our own product (`_own_loop`), through lmops' kernel where `packed`
     is `w` packed for it."""
-    return _few_rows(x, w, blocks) if _own_loop(x, w) else F.linear(x, w)
+    return _few_rows(x, w, packed) if _own_loop(x, w) else F.linear(x, w)
 
 
 def norm_linear(
-    x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float, blocks: torch.Tensor | None = None
+    x: torch.Tensor, norm_weight: torch.Tensor, w, eps: float, packed: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`linear(rms_norm(x, norm_weight, eps), w)`. In our own product each row's 1/rms
     scales the product's outputs, not its inputs: inlined into inductor's loop, the norm
     cost a square root per 16 weights read (the LM head over 5 rows 3.6x slower, over 1 row 1.4x)."""
     if _own_loop(x, w):
-        return _few_rows(x * norm_weight, w, blocks) * inv_rms(x, eps)
+        return _few_rows(x * norm_weight, w, packed) * inv_rms(x, eps)
     return F.linear(rms_norm(x, norm_weight, eps), w)
 
 
@@ -175,12 +177,12 @@ def _own_loop(x: torch.Tensor, w) -> bool:
     )
 
 
-def _few_rows(x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor | None) -> torch.Tensor:
-    """`x @ w.T` for a few rows in a compiled graph: lmops' kernel on `blocks`, `w` packed
-    for it (engine/kernels.py: it reads the weight once for all rows), or without them
+def _few_rows(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """`x @ w.T` for a few rows in a compiled graph: lmops' kernel on `packed`, `w` packed
+    for it (engine/kernels.py: it reads the weight once for every 6 rows), or without it
     (the kernels not built), inductor's loop."""
-    if blocks is not None:
-        return torch.ops.lmops.small_linear(x, blocks, w.shape[0])
+    if packed is not None:
+        return torch.ops.lmops.small_linear(x, packed, w.shape[0])
     return _row_sums(x, w)
 
 

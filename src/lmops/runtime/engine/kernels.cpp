@@ -5,9 +5,9 @@
 // against the weight w (n, K) packed as blocks of 64 of its rows, each block stored k-major
 // (kernels.py's pack_weight: (blocks, K, 64)). A decode step reads every weight once and does
 // little arithmetic with it, so what counts is how fast w streams in: a block is one
-// sequential run of memory, which the hardware prefetches well, and each of its k rows is
-// read once for every row of x (up to 6 at a time, the outputs in registers, no sums across
-// a vector's lanes).
+// contiguous run of memory, which the hardware prefetches well (one pass over it for a single
+// row of x; 2 or 4 passes over its column strips for 2-6 rows), read once for every 6 rows of x,
+// the outputs in registers, no sums across a vector's lanes.
 //
 // lmops::decode_attention(q, k, v, mask, scale): the graph's attention, in one call a layer
 // where it was two batched products through MKL (its generic code on AMD CPUs) and a softmax.
@@ -122,8 +122,8 @@ void block_product(const float* x, int64_t R, int64_t K, const float* wb, float*
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w_blocks, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && w_blocks.dim() == 3 && w_blocks.size(2) == kBlock && x.size(1) == w_blocks.size(1) &&
-                  x.size(1) > 0 && n > (w_blocks.size(0) - 1) * kBlock && n <= w_blocks.size(0) * kBlock,
-              "small_linear: x (rows, K), K > 0, and w_blocks (ceil(n / 64), K, 64); got ", x.sizes(), ", ",
+                  x.size(1) > 0 && n >= 0 && w_blocks.size(0) == (n + kBlock - 1) / kBlock,
+              "small_linear: x (rows, K), K > 0, and w_blocks (ceil(n / 64), K, 64), n >= 0; got ", x.sizes(), ", ",
               w_blocks.sizes(), " and n ", n);
   TORCH_CHECK(x.scalar_type() == at::kFloat && w_blocks.scalar_type() == at::kFloat && x.is_cpu() && w_blocks.is_cpu(),
               "small_linear: float32 CPU tensors only");

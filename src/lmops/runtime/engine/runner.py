@@ -174,6 +174,7 @@ class ModelRunner:
                 )
             except Exception as exc:  # e.g. no C++ compiler in a slim image: eager still works
                 log.warning("compiled decode unavailable, decoding eagerly: %s", exc)
+                self.forward.drop_packed()  # nothing reads them now
         # Multi-step decoding runs only in its compiled graph: eagerly, one step at a time.
         self.scheduler_steps = self.decode.scheduler_steps if self.decode is not None else 1
         param = next(model.parameters())
