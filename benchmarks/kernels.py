@@ -31,13 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import RESULTS, cpu_description, write_results  # noqa: E402
 
 from lmops.runtime.engine import kernels  # noqa: E402
+from lmops.runtime.model_config import LlamaConfig  # noqa: E402
 
+DEFAULT = LlamaConfig(vocab_size=4096)  # the default model (benchmarks/engine.py's random one)
+# (out, in) of each product of its decode step: fused Q/K/V, O, fused gate/up, down, LM head.
 SHAPES = {
-    "qkv": (320, 192),
-    "o": (192, 192),
-    "gate_up": (1024, 192),
-    "down": (192, 512),
-    "lm_head": (4096, 192),
+    "qkv": ((DEFAULT.n_head + 2 * DEFAULT.n_kv_heads) * DEFAULT.head_dim, DEFAULT.n_embd),
+    "o": (DEFAULT.n_embd, DEFAULT.n_head * DEFAULT.head_dim),
+    "gate_up": (2 * DEFAULT.intermediate_size, DEFAULT.n_embd),
+    "down": (DEFAULT.n_embd, DEFAULT.intermediate_size),
+    "lm_head": (DEFAULT.vocab_size, DEFAULT.n_embd),
 }
 
 

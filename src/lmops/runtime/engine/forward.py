@@ -95,13 +95,12 @@ class FusedForward:
         never change in place (a new model version is a new engine)."""
 
         def pack(w) -> torch.Tensor | None:
-            is_float = isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
-            return pack_weight(w) if is_float else None
+            return pack_weight(w) if _float32_cpu(w) else None
 
         self.packed = [tuple(pack(w) for w in (qkv, o, gu, down)) for _, qkv, o, _, gu, down in self.layers]
         self.packed_head = pack(self.model.lm_head.weight)
-        if self.packed_tensors():
-            move_to_huge_pages(self.packed_tensors())
+        if packed := self.packed_tensors():
+            move_to_huge_pages(packed)
 
     def drop_packed(self) -> None:
         """No packed copies (or none any more: the graphs that would read them failed)."""
@@ -168,13 +167,13 @@ def _own_loop(x: torch.Tensor, w) -> bool:
     aten.mm would call MKL, whose single-row and few-row products take their generic,
     pre-AVX code on AMD CPUs (`mkl_blas_def_xsgemv`: over half of a batch-1 decode step's
     time). The eager path keeps F.linear (benchmarks/README.md, "The single-row products")."""
-    return (
-        torch.compiler.is_compiling()
-        and isinstance(w, torch.Tensor)
-        and w.dtype == torch.float32
-        and w.device.type == "cpu"
-        and x.shape[0] < SMALL_PRODUCT_ROWS
-    )
+    return torch.compiler.is_compiling() and _float32_cpu(w) and x.shape[0] < SMALL_PRODUCT_ROWS
+
+
+def _float32_cpu(w) -> bool:
+    """Whether a weight is a float32 CPU tensor (not a quantize.Int8Weight): what our own
+    products take."""
+    return isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu"
 
 
 def _few_rows(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:

@@ -1,17 +1,18 @@
 """lmops' own C++ kernels for the compiled CPU decode graph (kernels.cpp): the few-row
 float32 products (`torch.ops.lmops.small_linear`, through `forward.linear`, against weights
-packed by `pack_weight`) and the decode
-attention (`torch.ops.lmops.decode_attention`, compiled.DecodeAttention). Built with the C++
-compiler inductor uses, the first time an engine compiles its decode graphs on a machine
-(about 10 s on 2 cores), and kept beside the graphs, which load them in milliseconds after that.
+packed by `pack_weight`) and the decode attention (`torch.ops.lmops.decode_attention`,
+compiled.DecodeAttention). Built with the C++ compiler inductor uses, the first time an
+engine compiles its decode graphs on a machine (about 10 s on 2 cores), and kept beside the
+graphs, which load them in milliseconds after that.
 
 At batch 1 a decode step is its products, each reading a weight once, and inductor's loop
 for a product of a few rows streams the weight once a row, where the kernel streams it once
-for every 6 rows, in blocks laid out in the order it reads them; the attention was two batched products through MKL (its
-generic code on AMD CPUs) around a softmax, and is one call a layer. Built where the CPU has
-AVX2 and FMA (torch's CPU capability AVX2 or AVX512); elsewhere, or if the build fails
-(logged), the graphs keep inductor's loops and MKL's attention. What they gain:
-benchmarks/README.md, "Kernels of our own" and "The products' weights packed for the kernel".
+for every 6 rows, in blocks laid out in the order it reads them; the attention was two
+batched products through MKL (its generic code on AMD CPUs) around a softmax, and is one
+call a layer. Built where the CPU has AVX2 and FMA (torch's CPU capability AVX2 or AVX512);
+elsewhere, or if the build fails (logged), the graphs keep inductor's loops and MKL's
+attention. What they gain: benchmarks/README.md, "Kernels of our own" and "The products'
+weights packed for the kernel".
 """
 
 from __future__ import annotations
