@@ -39,11 +39,12 @@ def ops(library):
     ("n", "k"), [(320, 192), (4096, 192), (192, 1024), (100, 13), (7, 1), (64, 8), (65, 9)]
 )
 def test_small_linear_equals_f_linear(ops, rows, n, k):
-    """Every register tile (1 to 6 rows of x) and rows past 6, whole blocks of 64 of w's rows
-    and a padded last one (n not a multiple of 64), any K."""
+    """Every register tile (1 to 6 rows of x) and rows past 6, whole blocks of 16 of w's rows
+    and a padded last one (n not a multiple of 16), any K (and K not a multiple of the tiles'
+    split of the k loop)."""
     x, w = torch.randn(rows, k), torch.randn(n, k)
     blocks = kernels.pack_weight(w)
-    assert blocks.shape == (-(-n // 64), k, 64)
+    assert blocks.shape == (-(-n // 16), k, 16)
     torch.testing.assert_close(ops.small_linear(x, blocks, n), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
@@ -57,10 +58,10 @@ def test_small_linear_takes_strided_inputs_and_refuses_others(ops):
     assert ops.small_linear(x[:0], packed, 130).shape == (0, 130)
     with pytest.raises(RuntimeError, match="float32 CPU tensors only"):
         ops.small_linear(x.double(), packed.double(), 130)
-    for n in (128, 193, -1):  # fewer or more rows than the 3 blocks hold
-        with pytest.raises(RuntimeError, match=r"w_blocks \(ceil\(n / 64\), K, 64\), n >= 0"):
+    for n in (128, 145, -1):  # fewer or more rows than the 9 blocks hold
+        with pytest.raises(RuntimeError, match=r"w_blocks \(ceil\(n / 16\), K, 16\), n >= 0"):
             ops.small_linear(x, packed, n)
-    with pytest.raises(RuntimeError, match=r"w_blocks \(ceil\(n / 64\), K, 64\)"):
+    with pytest.raises(RuntimeError, match=r"w_blocks \(ceil\(n / 16\), K, 16\)"):
         ops.small_linear(x, kernels.pack_weight(torch.randn(4, 7)), 4)
 
 

@@ -2,12 +2,12 @@
 // AVX2 and FMA, and says when they are used); float32, 8 floats a vector.
 //
 // lmops::small_linear(x, w_blocks, n) = x @ w.T for a few rows of x: the graph's projections,
-// against the weight w (n, K) packed as blocks of 64 of its rows, each block stored k-major
-// (kernels.py's pack_weight: (blocks, K, 64)). A decode step reads every weight once and does
+// against the weight w (n, K) packed as blocks of 16 of its rows, each block stored k-major
+// (kernels.py's pack_weight: (blocks, K, 16)). A decode step reads every weight once and does
 // little arithmetic with it, so what counts is how fast w streams in: a block is one
-// contiguous run of memory, which the hardware prefetches well (one pass over it for a single
-// row of x; 2 or 4 passes over its column strips for 2-6 rows), read once for every 6 rows of x,
-// the outputs in registers, no sums across a vector's lanes.
+// contiguous run of memory that every register tile reads front to back, which the hardware
+// prefetches well, read once for every 6 rows of x (from L1 after the first 6: a block is
+// K x 64 bytes), the outputs in registers, no sums across a vector's lanes.
 //
 // lmops::decode_attention(q, k, v, mask, scale): the graph's attention, in one call a layer
 // where it was two batched products through MKL (its generic code on AMD CPUs) and a softmax.
@@ -68,54 +68,69 @@ void score_row(const float* q, const float* k, float* s, int64_t R, int64_t N, i
   }
 }
 
-constexpr int64_t kBlock = 64;  // columns of a packed weight's block (kernels.py's BLOCK)
+constexpr int64_t kBlock = 16;  // columns of a packed weight's block, two vectors (kernels.py's BLOCK)
 
-// Rows 0..RX-1 of x (K floats each) against 8 * C columns of a block (k-major, kBlock floats
-// a k), into y (ldy floats a row).
-// (The loops over rows and vectors are unrolled first, so the accumulators stay in registers:
-// without it GCC kept them on the stack, a store a multiply-add, and 5 rows ran 1.7x slower.)
-template <int RX, int C>
+// Rows 0..RX-1 of x (K floats each) against a block (K x 16, k-major), into y (ldy floats a
+// row). The block is read front to back once, whatever RX: one stream the prefetcher follows
+// (strips of a wider block, read at a stride, stalled on every load). The k loop is split S
+// ways, S partial sums of each output vector added at the end, so that at least 8
+// multiply-adds are independent of each other (an FMA takes 4 cycles, 2 issue a cycle).
+// (The loops are unrolled first, so the accumulators stay in registers: without it GCC
+// kept them on the stack, a store a multiply-add, and 5 rows ran 1.7x slower.)
+template <int RX, int S>
 void block_tile(const float* x, int64_t K, const float* wb, float* y, int64_t ldy) {
-  __m256 acc[RX][C];
+  __m256 acc[S][RX][2];
 #pragma GCC unroll 8
-  for (int i = 0; i < RX; ++i)
+  for (int s = 0; s < S; ++s)
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[i][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 w[C];
+    for (int i = 0; i < RX; ++i) acc[s][i][0] = acc[s][i][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + S <= K; k += S) {
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) w[c] = _mm256_loadu_ps(wb + k * kBlock + 8 * c);
+    for (int s = 0; s < S; ++s) {
+      const __m256 w0 = _mm256_loadu_ps(wb + (k + s) * kBlock), w1 = _mm256_loadu_ps(wb + (k + s) * kBlock + 8);
+#pragma GCC unroll 8
+      for (int i = 0; i < RX; ++i) {
+        const __m256 b = _mm256_broadcast_ss(x + i * K + k + s);
+        acc[s][i][0] = _mm256_fmadd_ps(b, w0, acc[s][i][0]);
+        acc[s][i][1] = _mm256_fmadd_ps(b, w1, acc[s][i][1]);
+      }
+    }
+  }
+  for (; k < K; ++k) {  // the last K % S
+    const __m256 w0 = _mm256_loadu_ps(wb + k * kBlock), w1 = _mm256_loadu_ps(wb + k * kBlock + 8);
 #pragma GCC unroll 8
     for (int i = 0; i < RX; ++i) {
       const __m256 b = _mm256_broadcast_ss(x + i * K + k);
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc[i][c] = _mm256_fmadd_ps(b, w[c], acc[i][c]);
+      acc[0][i][0] = _mm256_fmadd_ps(b, w0, acc[0][i][0]);
+      acc[0][i][1] = _mm256_fmadd_ps(b, w1, acc[0][i][1]);
     }
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < RX; ++i)
+  for (int i = 0; i < RX; ++i) {
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + i * ldy + 8 * c, acc[i][c]);
+    for (int s = 1; s < S; ++s) {
+      acc[0][i][0] = _mm256_add_ps(acc[0][i][0], acc[s][i][0]);
+      acc[0][i][1] = _mm256_add_ps(acc[0][i][1], acc[s][i][1]);
+    }
+    _mm256_storeu_ps(y + i * ldy, acc[0][i][0]);
+    _mm256_storeu_ps(y + i * ldy + 8, acc[0][i][1]);
+  }
 }
 
-template <int RX, int C>
-void block_rows(const float* x, int64_t K, const float* wb, float* y, int64_t ldy) {
-  for (int64_t c = 0; c < kBlock; c += 8 * C) block_tile<RX, C>(x, K, wb + c, y + c, ldy);
-}
-
-// Every row of x against one block, up to 6 rows at a time; the register tiles (rows x
-// columns: 1 x 64, 2 x 32, 3-6 x 16) keep at most 12 accumulators of the 16 registers.
+// Every row of x against one block, up to 6 rows at a time (the block stays in L1 for the
+// next 6); the tiles keep 8 to 12 accumulators of the 16 registers.
 void block_product(const float* x, int64_t R, int64_t K, const float* wb, float* y, int64_t ldy) {
   for (int64_t r = 0; r < R; r += 6) {
     const float* xr = x + r * K;
     float* yr = y + r * ldy;
     switch (std::min<int64_t>(6, R - r)) {
-      case 1: block_rows<1, 8>(xr, K, wb, yr, ldy); break;
-      case 2: block_rows<2, 4>(xr, K, wb, yr, ldy); break;
-      case 3: block_rows<3, 2>(xr, K, wb, yr, ldy); break;
-      case 4: block_rows<4, 2>(xr, K, wb, yr, ldy); break;
-      case 5: block_rows<5, 2>(xr, K, wb, yr, ldy); break;
-      default: block_rows<6, 2>(xr, K, wb, yr, ldy); break;
+      case 1: block_tile<1, 4>(xr, K, wb, yr, ldy); break;
+      case 2: block_tile<2, 2>(xr, K, wb, yr, ldy); break;
+      case 3: block_tile<3, 2>(xr, K, wb, yr, ldy); break;
+      case 4: block_tile<4, 1>(xr, K, wb, yr, ldy); break;
+      case 5: block_tile<5, 1>(xr, K, wb, yr, ldy); break;
+      default: block_tile<6, 1>(xr, K, wb, yr, ldy); break;
     }
   }
 }
@@ -123,7 +138,7 @@ void block_product(const float* x, int64_t R, int64_t K, const float* wb, float*
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w_blocks, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && w_blocks.dim() == 3 && w_blocks.size(2) == kBlock && x.size(1) == w_blocks.size(1) &&
                   x.size(1) > 0 && n >= 0 && w_blocks.size(0) == (n + kBlock - 1) / kBlock,
-              "small_linear: x (rows, K), K > 0, and w_blocks (ceil(n / 64), K, 64), n >= 0; got ", x.sizes(), ", ",
+              "small_linear: x (rows, K), K > 0, and w_blocks (ceil(n / 16), K, 16), n >= 0; got ", x.sizes(), ", ",
               w_blocks.sizes(), " and n ", n);
   TORCH_CHECK(x.scalar_type() == at::kFloat && w_blocks.scalar_type() == at::kFloat && x.is_cpu() && w_blocks.is_cpu(),
               "small_linear: float32 CPU tensors only");

@@ -29,7 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-BLOCK = 64  # a packed weight's rows a block (kernels.cpp's kBlock)
+BLOCK = 16  # a packed weight's rows a block (kernels.cpp's kBlock)
 _loaded: bool | None = None  # None: not tried in this process
 _loading = threading.Lock()  # engines may start in threads (a live champion's swap)
 
@@ -93,9 +93,9 @@ def build_kernels(directory: Path, cpu_signature: str) -> Path | None:
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """A float32 weight (N, K) as `small_linear` reads it: (ceil(N / 64), K, 64), blocks of
-    64 of its rows (the last one padded with zeros), each stored k-major, so the kernel
-    streams a block front to back."""
+    """A float32 weight (N, K) as `small_linear` reads it: (ceil(N / 16), K, 16), blocks of
+    16 of its rows (the last one padded with zeros), each stored k-major, so the kernel
+    streams a block front to back whatever the number of rows."""
     blocks = -(-w.shape[0] // BLOCK)
     padded = torch.nn.functional.pad(w.detach(), (0, 0, 0, blocks * BLOCK - w.shape[0]))
     return padded.view(blocks, BLOCK, w.shape[1]).transpose(1, 2).contiguous()
