@@ -290,10 +290,24 @@ def test_sampled_decodes_draw_in_the_graph(model_dir, compiled_engine, prompts, 
 @pytest.fixture(scope="module")
 def speculative_engine(model_dir):
     """Drafts of up to 4 tokens: verification graphs of 5 tokens a sequence for 1 and 2
-    sequences (at most 16 rows), plain decode graphs for 1, 2 and 4."""
-    return LLMEngine.from_pretrained(
+    sequences (at most 16 rows), plain decode graphs for 1, 2 and 4, and (multi-step, on by
+    default) a lone greedy sequence's lookup runs, which draft and verify in the graph."""
+    engine = LLMEngine.from_pretrained(
         model_dir, device="cpu", max_num_seqs=3, compile=True, num_speculative_tokens=4
     )
+    assert engine.runner.lookup_runs and engine.runner.decode.lookup_tokens == 8 * 5
+    return engine
+
+
+@pytest.fixture(scope="module")
+def one_step_speculative_engine(model_dir, speculative_engine):
+    """The speculative engine one step a call: every draft comes from the scheduler and is
+    verified by the graphs of 5 tokens a sequence (loaded from the speculative engine's)."""
+    engine = LLMEngine.from_pretrained(
+        model_dir, device="cpu", max_num_seqs=3, compile=True, num_speculative_tokens=4, num_scheduler_steps=1
+    )
+    assert engine.runner.decode.graphs_compiled == 0 and not engine.runner.lookup_runs
+    return engine
 
 
 def served_by_graphs(engine) -> list[tuple[int, int]]:
@@ -307,13 +321,13 @@ def served_by_graphs(engine) -> list[tuple[int, int]]:
 
 
 def test_drafts_are_verified_by_the_compiled_graph_with_greedys_output(
-    model_dir, speculative_engine, prompts
+    model_dir, one_step_speculative_engine, prompts
 ):
     """Echoed prompts (prompt lookup finds drafts, some right and some wrong), alone and two
     at a time, one of them sampled (its rows go through the sampler, not the argmax): the
     greedy ones' tokens are eager non-speculative greedy's, the verification steps run
     through the graphs, and the rejected drafts roll back."""
-    engine = speculative_engine
+    engine = one_step_speculative_engine
     assert engine.runner.decode.verify_sizes == [1, 2] and engine.runner.decode.verify_len == 5
     served = served_by_graphs(engine)
     eager = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=False)
@@ -329,11 +343,13 @@ def test_drafts_are_verified_by_the_compiled_graph_with_greedys_output(
     assert 0 < accepted < value("lmops:spec_decode_num_draft_tokens_total")
 
 
-def test_right_drafts_are_kept_in_five_graph_calls(model_dir, speculative_engine, prompts, monkeypatch):
+def test_right_drafts_are_kept_in_five_graph_calls(
+    model_dir, one_step_speculative_engine, prompts, monkeypatch
+):
     """Drafts that greedy decoding would produce, of 4 tokens, then of 3 (padded rows): each
     step after the prefill is one graph call and takes the graph's argmax, 5 calls for the
     19 tokens after the first."""
-    engine, prompt = speculative_engine, prompts[9]
+    engine, prompt = one_step_speculative_engine, prompts[9]
     want = (
         LLMEngine.from_pretrained(model_dir, device="cpu", compile=False)
         .generate([prompt], GREEDY)[0]
@@ -355,6 +371,61 @@ def test_right_drafts_are_kept_in_five_graph_calls(model_dir, speculative_engine
     assert calls == [1]  # the prefill's token; every verification took the graph's argmax
     # 1 (the prefill) + 5 + 5 + 4 + 4 + 1: the last token has no room for a draft
     assert [n for _, n in served] == [5, 5, 4, 4, 1]
+
+
+@pytest.mark.parametrize("echoed", [True, False], ids=["echoed", "plain"])
+def test_lookup_runs_draft_and_verify_in_the_graph(
+    speculative_engine, eager_engine, prompts, echoed, monkeypatch
+):
+    """A lone greedy request with prompt lookup, multi-step: after the prefill its 39 tokens
+    come from one graph call, which drafted, verified and kept greedy's tokens by itself
+    (the scheduler drafted nothing, the sampler ran for the prefill only), to eager greedy's
+    tokens; on an echoed prompt it kept drafts (counted in /metrics), and fewer than it drafted."""
+    engine = speculative_engine
+    prompt = prompts[4] + prompts[4] if echoed else prompts[7]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = eager_engine.generate([prompt], params)[0].token_ids
+    value = engine.metrics.registry.get_sample_value
+    drafted, kept = (value(f"lmops:spec_decode_num_{x}_tokens_total") for x in ("draft", "accepted"))
+    monkeypatch.setattr(scheduler_module, "ngram_draft", lambda *a: pytest.fail("drafted by the scheduler"))
+    calls = []
+    real = engine_module.sample
+    monkeypatch.setattr(
+        engine_module, "sample", lambda logits, *a: calls.append(len(logits)) or real(logits, *a)
+    )
+    served = served_by_graphs(engine)
+    assert engine.generate([prompt], params)[0].token_ids == want
+    assert served == [(1, 39)] and calls == [1]
+    drafted, kept = (
+        value("lmops:spec_decode_num_draft_tokens_total") - drafted,
+        value("lmops:spec_decode_num_accepted_tokens_total") - kept,
+    )
+    if echoed:
+        assert 0 < kept < drafted
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 13, 60])
+def test_lookup_runs_stop_where_greedy_stops(
+    speculative_engine, eager_engine, prompts, max_tokens, all_blocks_free
+):
+    """A stop token, a stop string or EOS inside a lookup run ends the output there, any
+    max_tokens is met exactly, and a run that reaches the model's context (its drafts'
+    positions past it) keeps greedy's tokens up to the end."""
+    prompt = prompts[4] + prompts[4]
+    want = eager_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    stop_token = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[want.token_ids[6]])
+    stop_text = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[want.text[-12:-8]])
+    to_the_end = SamplingParams(temperature=0, max_tokens=MAX_LEN, ignore_eos=True)
+    long_prompt = (prompt * 8)[: MAX_LEN - max_tokens]
+    for p, params in (
+        (prompt, stop_token),
+        (prompt, stop_text),
+        (prompt, SamplingParams(temperature=0, max_tokens=max_tokens)),
+        (long_prompt, to_the_end),
+    ):
+        got, ref = speculative_engine.generate([p], params)[0], eager_engine.generate([p], params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+    all_blocks_free(speculative_engine)
 
 
 @pytest.fixture(scope="module")

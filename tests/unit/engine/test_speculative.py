@@ -5,6 +5,7 @@ distributed exactly as without a draft for sampled ones (rejection sampling)."""
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from lmops.runtime.engine import LLMEngine, SamplingParams
 from lmops.runtime.engine import sampling as sampling_module
 from lmops.runtime.engine import scheduler as scheduler_module
+from lmops.runtime.engine.compiled import lookup_draft
 from lmops.runtime.engine.kv_cache import KVPool
 from lmops.runtime.engine.sampling import race, residual, verify_draft
 from lmops.runtime.engine.scheduler import ngram_draft
@@ -30,6 +32,25 @@ def test_ngram_draft_takes_the_latest_longest_match():
     # 261, 256 are bytes 05 01 00 00 | 00 01 00 00: token 1 (01 00 00 00) is in them, across
     # a token boundary, and is no match.
     assert ngram_draft([261, 256, 1], 3) == []
+
+
+def test_lookup_draft_is_ngram_draft_in_tensors():
+    """The compiled lookup run's drafter (compiled.lookup_draft) finds what ngram_draft finds,
+    on the cases above and on 2,000 random sequences of small vocabularies (many matches,
+    of every length): the same tokens where ngram_draft has k, its shorter draft as a
+    prefix (the rest read past the tokens: `length` hides them from the search only)."""
+    rng = random.Random(0)
+    cases = [([1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 1, 2, 3], 2), ([5, 1, 7, 2, 1], 4), ([4, 5, 6], 3), ([8] * 6, 3)]
+    cases += [
+        ([rng.randrange(rng.choice([2, 3, 5, 20])) for _ in range(rng.randint(1, 40))], rng.choice([1, 2, 4]))
+        for _ in range(2000)
+    ]
+    for tokens, k in cases:
+        history = torch.tensor(tokens + [rng.randrange(20) for _ in range(8)])  # what lies past them
+        draft, hit = lookup_draft(history, torch.tensor([len(tokens)]), k)
+        want = ngram_draft(tokens, k)
+        assert bool(hit) == bool(want), (tokens, k)
+        assert draft.shape == (k,) and draft.tolist()[: len(want)] == want, (tokens, k)
 
 
 @pytest.mark.parametrize(

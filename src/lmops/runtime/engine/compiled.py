@@ -88,9 +88,10 @@ class DecodeAttention:
         ahead: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         """`context`: `gather`'s; `cached` (B * T,): how many of its sequence's cached keys each
-        row sees; `groups` query heads share a KV head; `ahead` (multi-step, one sequence of
-        one row): the K/V its run's steps have computed so far, (layers, 2 * Hkv, S, D), and
-        this step's index j (1,): the step writes its own K/V at row j and sees rows 0..j."""
+        row sees; `groups` query heads share a KV head; `ahead` (a multi-step run, one
+        sequence): the K/V its run's steps have computed so far, (layers, 2 * Hkv, rows, D),
+        and the run's rows j (T,) of this step's T tokens: token t writes its own K/V at row
+        j[t] and sees rows 0..j[t]."""
         self.context, self.ahead = context, ahead
         self.new_kv: list[torch.Tensor] = []
         B, width = context.shape[2:4]
@@ -103,7 +104,7 @@ class DecodeAttention:
             new = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
         else:
             buffer, j = ahead
-            new = (torch.arange(buffer.shape[2], device=device) <= j).view(1, 1, -1)
+            new = (torch.arange(buffer.shape[2], device=device) <= j.view(T, 1)).view(1, T, -1)
         valid = torch.cat((old, new), 2)
         rows = torch.zeros(valid.shape, dtype=context.dtype, device=device).masked_fill(~valid, float("-inf"))
         # The query rows are (head, token) pairs: each token's row, the same for its G heads.
@@ -115,7 +116,7 @@ class DecodeAttention:
         T, Hkv = self.T, kv.shape[1] // 2
         B, G = rows // T, H // Hkv
         new = kv.transpose(0, 1)  # (2Hkv, B * T, D)
-        if self.ahead is not None:  # the run's K/V so far, with this step's at row j
+        if self.ahead is not None:  # the run's K/V so far, with this step's at rows j
             buffer, j = self.ahead
             new = buffer[layer].index_copy(1, j, new)
         self.new_kv.append(new)
@@ -164,6 +165,7 @@ class CompiledDecode:
         max_num_seqs: int,
         num_speculative_tokens: int = 0,
         scheduler_steps: int = 1,
+        prompt_lookup: bool = False,
     ):
         self.forward, self.pool = forward, pool
         self.block_size = pool.block_size
@@ -195,6 +197,7 @@ class CompiledDecode:
         options = {"cpp_wrapper": True, "guard_filter_fn": lambda guards: [False] * len(guards)}
         one_step = torch.compile(self._eager_step, fullgraph=True, options=options)
         run = torch.compile(self._eager_run, fullgraph=True, options=options)
+        lookup_run = torch.compile(self._eager_lookup_run, fullgraph=True, options=options)
         # (Imported here: torch._dynamo takes a second to import, which an engine that
         # does not compile need not pay.)
         from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -232,6 +235,18 @@ class CompiledDecode:
             )
             for s in ([True, False] if scheduler_steps > 1 else [])
         }
+        # With prompt lookup (speculative decoding without a draft model), a lone greedy
+        # sequence's runs draft and verify in the graph's loop too (`_eager_lookup_run`): runs
+        # of up to S passes of the loop, each making up to 1 + K tokens.
+        self.lookup_tokens = scheduler_steps * self.verify_len
+        self.history_len = model.config.max_seq_len + self.lookup_tokens + num_speculative_tokens
+        lookup = None
+        if prompt_lookup and num_speculative_tokens and scheduler_steps > 1:
+            lookup = self._load_or_compile(
+                lookup_run,
+                f"{key}-b1s{self.lookup_tokens}k{num_speculative_tokens}-lookup",
+                lambda: self._step_inputs(1, self.lookup_tokens, self._lookup_inputs(self.lookup_tokens)),
+            )
         # The draw of a plain step's sampled rows, after its graph: one graph for any number of
         # rows, so the step graphs stay free of the sampler (benchmarks/README.md, "Batched
         # sampled steps draw in a graph too").
@@ -239,9 +254,10 @@ class CompiledDecode:
         self._draw = self._load_or_compile(draw, f"{key}-draw", self._draw_inputs)
         # Kept on self only now: dynamo pickles what the traced method's `self` holds into a
         # graph's guards, and a compiled graph there cannot be pickled.
-        self._steps, self._lone = graphs, lone
+        self._steps, self._lone, self._lookup = graphs, lone, lookup
+        self.lookup_runs = lookup is not None
         self.compile_seconds = time.perf_counter() - t
-        total = len(graphs) + len(lone) + 1  # and the draw graph
+        total = len(graphs) + len(lone) + self.lookup_runs + 1  # and the draw graph
         log.info(
             "compiled decode in %.1f s (%d graphs: %d loaded from the cache, %d compiled), "
             "few-row products and attention through %s",
@@ -325,6 +341,49 @@ class CompiledDecode:
         _, _, ahead, tokens = while_loop(lambda j, *_: j[0] < steps, step, start)
         return tokens, ahead
 
+    def _eager_lookup_run(
+        self, meta, tables, steps, history, length
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Multi-step decoding of a greedy sequence with prompt lookup in the loop: each pass
+        drafts K tokens from the tokens so far (`lookup_draft` on `history`, whose first
+        `length` are the sequence's, and the run's after them), verifies them in one forward
+        of 1 + K rows, and keeps the draft's prefix that greedy decoding agrees with and
+        greedy's next token, until `steps` (a tensor, up to S) tokens: greedy's tokens, in
+        fewer forwards and no Python between them. The run's tokens (S,), its (drafted,
+        kept) draft tokens (2,), and the K/V of its S rows (as `_eager_run`'s: rows from
+        `steps` on are not computed)."""
+        fw = self.forward
+        S, K, groups = meta.shape[1], self.verify_len - 1, fw.n_head // fw.n_kv
+        rows = torch.arange(K + 1, device=meta.device)
+        context = DecodeAttention.gather(self.pool.kv, tables)
+        cached = meta[3, :1].repeat(K + 1)  # every row sees the keys cached before the run
+        last_position = fw.cos.shape[0] - 1
+
+        def step(n, last, ahead, tokens, history, counts):
+            draft, found = lookup_draft(history, length + n, K)
+            j = n + rows  # the run's rows of the last token and of the draft
+            attn = DecodeAttention(context, cached, groups, (ahead, j))
+            positions = (meta[1, :1] + j).clamp(max=last_position)  # a draft past the end is not kept
+            best = fw.logits(fw(torch.cat((last, draft)), positions, attn)).argmax(-1)
+            room = steps - n - 1  # tokens the run may still keep after this pass's own
+            kept = torch.minimum((best[:K] == draft).long().cumprod(0).sum(0, keepdim=True), room)
+            counts = counts + found * torch.cat((room.clamp(max=K), kept))
+            history = history.index_copy(0, length + j, best)  # past the kept ones: overwritten
+            tokens = tokens.index_copy(0, j, best)
+            return n + kept + 1, best.index_select(0, kept), torch.stack(attn.new_kv), tokens, history, counts
+
+        shape = (len(fw.layers), 2 * fw.n_kv, S + K, fw.head_dim)
+        start = (
+            meta.new_zeros(1),
+            meta[0, :1].clone(),
+            self.pool.kv.new_zeros(shape),
+            meta.new_zeros(S + K),
+            history.clone(),
+            meta.new_zeros(2),
+        )
+        _, _, ahead, tokens, _, counts = while_loop(lambda n, *_: n[0] < steps, step, start)
+        return tokens[:S], counts, ahead[:, :, :S]
+
     def _step_inputs(self, size: int, tokens: int, extra: tuple = ()) -> tuple:
         """A step graph's example inputs for `size` sequences of `tokens` rows, then `extra` (a
         run's step count and draw inputs: `_eager_run`). Only the table width is symbolic. The
@@ -362,6 +421,13 @@ class CompiledDecode:
         return count, *plain_draw_inputs(
             params, generator, steps, self.vocab, self.device, self.scheduler_steps
         )
+
+    def _lookup_inputs(self, steps: int, seq: Sequence | None = None) -> tuple:
+        """What a lookup run's graph reads after the step's inputs: its step count, `seq`'s
+        tokens padded to `history_len`, and how many they are."""
+        tokens = seq.token_ids if seq is not None else [0, 0]
+        history = torch.tensor(tokens + [0] * (self.history_len - len(tokens)), device=self.device)
+        return torch.tensor(steps, device=self.device), history, torch.tensor([len(tokens)], device=self.device)
 
     def _run(
         self, seqs: list[Sequence], graph, size: int, tokens: int, extra: tuple = ()
@@ -404,22 +470,28 @@ class CompiledDecode:
 
     def run(
         self, seqs: list[Sequence], num_new: list[int]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int] | None] | None:
         """If this is a step it serves (every sequence a decode, with or without a draft):
         logits, one row per sequence and draft token, in the runner's order (a sequence's
         draft rows first, as RunnerOutput), and each row's token where the graph made every
         row's (a plain step of `graph_draws` sequences; a verifying one of greedy ones: the
         argmax), else None in its place; for a lone
         `graph_draw` sequence's run, no logits (None) and its tokens (its lookahead's first,
-        as RunnerOutput); None if it does not serve the step."""
+        as RunnerOutput); then a greedy lookup run's (drafted, kept) draft tokens, else None.
+        None if it does not serve the step."""
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):
             return None
         seq = seqs[0]
         if seq.lookahead:  # the scheduler's, for a lone sequence that `graph_draws` only
             steps, sampled = 1 + seq.lookahead, not seq.params.greedy
+            if self._lookup is not None and not sampled:
+                extra = self._lookup_inputs(steps, seq)
+                tokens, counts = self._run(seqs, self._lookup, 1, self.lookup_tokens, extra)
+                drafted, kept = counts.tolist()
+                return None, tokens[:steps], (drafted, kept)
             extra = self._run_inputs(steps, sampled, seq)
             (tokens,) = self._run(seqs, self._lone[sampled], 1, self.scheduler_steps, extra)
-            return None, tokens[:steps]
+            return None, tokens[:steps], None
         tokens = 1 if all(n == 1 for n in num_new) else self.verify_len
         sizes = self.sizes if tokens == 1 else self.verify_sizes
         if not sizes or len(seqs) > sizes[-1] or max(num_new) > tokens:
@@ -431,14 +503,39 @@ class CompiledDecode:
             # The graphs make every row's token or none (a seeded request's generator is read
             # once a step, wherever its draw is made).
             if not all(s.graph_draws for s in seqs):
-                return logits, None
+                return logits, None, None
             if all(s.params.greedy for s in seqs):
-                return logits, argmax
-            return logits, self._draw(logits, *batch_draw_inputs(seqs, self.vocab, self.device))
+                return logits, argmax, None
+            return logits, self._draw(logits, *batch_draw_inputs(seqs, self.vocab, self.device)), None
         rows = [b * tokens + j for b, n in enumerate(num_new) for j in range(n)]
         rows = torch.tensor(rows, device=self.device)
         greedy = all(s.params.greedy and s.graph_draws for s in seqs)  # a draft's verdict: greedy_verdict
-        return logits[rows], argmax[rows] if greedy else None
+        return logits[rows], argmax[rows] if greedy else None, None
+
+
+def lookup_draft(
+    history: torch.Tensor, length: torch.Tensor, k: int, max_n: int = 3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """scheduler.ngram_draft in tensors, for a graph: the k tokens after the latest earlier
+    occurrence of the last n of `history`'s first `length` (1,) tokens, for the longest n <=
+    max_n that occurs, an occurrence with k tokens after it first; and whether one does. The
+    draft is read from `history` whatever lies there (past `length`, where the occurrence has
+    fewer than k tokens after it; the start, where none occurs): a draft token is kept only
+    where greedy decoding agrees with it."""
+    size = history.shape[0]
+    index = torch.arange(size, device=history.device)
+    latest = []  # the draft's start in history, or -1, by (n, tokens after) in preference order
+    for n in range(max_n, 0, -1):
+        tail = history.index_select(0, (length - n + index[:n]).clamp(min=0))
+        windows = torch.stack([history[i : size - n + 1 + i] for i in range(n)])
+        ends = index[: size - n + 1] + n  # the token after each window
+        match = (windows == tail.view(n, 1)).all(0)
+        for after in (k, 1):
+            latest.append(torch.where(match & (ends + after <= length), ends, -1).max())
+    latest = torch.stack(latest)
+    hit = latest >= 0
+    start = latest.index_select(0, hit.long().argmax().view(1)).clamp(min=0)  # the first preference that occurs
+    return history.index_select(0, (start + index[:k]).clamp(max=size - 1)), hit.any()
 
 
 def _keep_precompiled_headers_in(directory: Path) -> None:

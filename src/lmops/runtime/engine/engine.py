@@ -143,6 +143,7 @@ class LLMEngine:
             compile_up_to,
             engine_config.num_speculative_tokens,
             engine_config.num_scheduler_steps,
+            prompt_lookup=engine_config.speculative_model is None,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -153,6 +154,7 @@ class LLMEngine:
             engine_config.scheduling_policy,
             self.draft_model,
             self.runner.scheduler_steps,
+            self.runner.lookup_runs,
         )
         self.reset_metrics()
         self.requests: dict[str, Request] = {}
@@ -427,6 +429,8 @@ class LLMEngine:
         runs."""
         if not batch.samples:
             return None
+        if output.speculation is not None:
+            self.metrics.on_speculation(*output.speculation)
         if output.tokens is not None:
             tokens = output.tokens.tolist()
             result = SampleResult([tokens[r] for r in batch.sample_rows], [None] * len(batch.samples))

@@ -54,6 +54,8 @@ class RunnerOutput:
     # Each row's token, where the compiled graph made every row's: its argmax or draw (a plain
     # decode step of `graph_draws` sequences), or a lone sequence's run.
     tokens: torch.Tensor | None = None
+    # (drafted, kept) draft tokens of a run that drafted and verified in the graph (prompt lookup).
+    speculation: tuple[int, int] | None = None
 
 
 @dataclass
@@ -149,7 +151,9 @@ def context_groups(
 
 class ModelRunner:
     """`compile_up_to` > 0 compiles decode steps of up to that many sequences (compiled.py),
-    with the pool's last block, which the block manager must not hand out, as scratch."""
+    with the pool's last block, which the block manager must not hand out, as scratch;
+    `prompt_lookup` (speculative drafts from prompt lookup, not a draft model): a lone greedy
+    sequence's compiled runs draft and verify in the graph (`lookup_runs`)."""
 
     def __init__(
         self,
@@ -158,6 +162,7 @@ class ModelRunner:
         compile_up_to: int = 0,
         num_speculative_tokens: int = 0,
         num_scheduler_steps: int = 1,
+        prompt_lookup: bool = False,
     ):
         self.model, self.pool = model, pool
         self.forward = FusedForward(model)
@@ -171,12 +176,14 @@ class ModelRunner:
                     compile_up_to,
                     num_speculative_tokens,
                     num_scheduler_steps,
+                    prompt_lookup,
                 )
             except Exception as exc:  # e.g. no C++ compiler in a slim image: eager still works
                 log.warning("compiled decode unavailable, decoding eagerly: %s", exc)
                 self.forward.drop_packed()  # nothing reads them now
         # Multi-step decoding runs only in its compiled graph: eagerly, one step at a time.
         self.scheduler_steps = self.decode.scheduler_steps if self.decode is not None else 1
+        self.lookup_runs = self.decode is not None and self.decode.lookup_runs
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = pool.block_size
@@ -258,7 +265,7 @@ class ModelRunner:
             return RunnerOutput(torch.empty(0, vocab, device=self.device), [])
         self.pool.copy_blocks(batch.copies)
         if self.decode is not None and (decoded := self.decode.run(seqs, num_new)) is not None:
-            return RunnerOutput(decoded[0], [], decoded[1])
+            return RunnerOutput(decoded[0], [], decoded[1], decoded[2])
         input_ids, positions, attn, last = self.prepare(seqs, num_new)
         with sdpa_kernel(_SDPA_BACKENDS):
             h = self.forward(input_ids, positions, attn)

@@ -21,7 +21,10 @@ With `num_scheduler_steps` S (vLLM's multi-step scheduling), a lone decode whose
 graph can make (`SamplingParams.graph_draw`: greedy, or sampled with temperature and the
 filters alone) gets a lookahead of up to S - 1 tokens: the
 compiled graph generates them after its next token, each step's token (argmax or draw) the
-next one's input, so one step of the engine makes up to S tokens (compiled.py).
+next one's input, so one step of the engine makes up to S tokens (compiled.py). With
+`lookup_runs` too (prompt lookup, compiled), a lone greedy decode drafts in the graph's
+loop instead of here: it gets the lookahead, no draft, and the graph drafts, verifies and
+keeps greedy's tokens until it has made them all.
 
 `update` is the step's other half: it applies what the runner computed and the sampler
 drew (tokens appended, prompt scores recorded, rejected draft tokens rolled back, finished
@@ -103,6 +106,7 @@ class Scheduler:
         policy: str = "fcfs",
         proposer: Proposer | None = None,
         num_scheduler_steps: int = 1,
+        lookup_runs: bool = False,
     ):
         self.bm = block_manager
         self.by_priority = policy == "priority"
@@ -112,6 +116,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.proposer = proposer or NgramProposer()
         self.num_scheduler_steps = num_scheduler_steps
+        self.lookup_runs = lookup_runs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -145,7 +150,7 @@ class Scheduler:
                 if seq.seq_id in scheduled or seq.status is not Status.RUNNING or (todo == 1) != decodes:
                     continue
                 n = min(todo, budget)
-                if decodes and self.num_speculative_tokens:
+                if decodes and self.num_speculative_tokens and not self._drafts_in_graph(seq):
                     seq.draft = self._draft(seq, budget - 1)
                     n += len(seq.draft)
                 if decodes and not seq.draft:
@@ -208,13 +213,21 @@ class Scheduler:
         (`SamplingParams.graph_draw`: a penalised, biased, masked or logprobs row, or top_p
         over the whole vocabulary, needs the eager sampler between steps): as many as `room`,
         the request's max_tokens and the free blocks allow (the graph's loop runs any count)."""
-        k = min(self.num_scheduler_steps - 1, room, seq.request.max_tokens - seq.num_output_tokens - 1)
-        alone = len(self.running) == 1 and not self.waiting and not seq.pending_forks
-        if k <= 0 or not alone or not seq.graph_draws:
+        run = self.num_scheduler_steps * (1 + self.num_speculative_tokens if self._drafts_in_graph(seq) else 1)
+        k = min(run - 1, room, seq.request.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0 or not self._alone(seq) or not seq.graph_draws:
             return 0
         while k and self.bm.num_new_blocks(seq, seq.num_tokens + k) > self.bm.num_free_blocks:
             k -= 1
         return k
+
+    def _alone(self, seq: Sequence) -> bool:
+        """The only sequence, nothing waiting, no siblings to fork: a multi-step run's."""
+        return len(self.running) == 1 and not self.waiting and not seq.pending_forks
+
+    def _drafts_in_graph(self, seq: Sequence) -> bool:
+        """A lone greedy decode whose run drafts in the graph (`lookup_runs`)."""
+        return self.lookup_runs and seq.params.greedy and seq.graph_draws and self._alone(seq)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """At the first sample of an n > 1 request: siblings sharing the prompt's blocks."""
