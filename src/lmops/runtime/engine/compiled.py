@@ -427,7 +427,11 @@ class CompiledDecode:
         tokens padded to `history_len`, and how many they are."""
         tokens = seq.token_ids if seq is not None else [0, 0]
         history = torch.tensor(tokens + [0] * (self.history_len - len(tokens)), device=self.device)
-        return torch.tensor(steps, device=self.device), history, torch.tensor([len(tokens)], device=self.device)
+        return (
+            torch.tensor(steps, device=self.device),
+            history,
+            torch.tensor([len(tokens)], device=self.device),
+        )
 
     def _run(
         self, seqs: list[Sequence], graph, size: int, tokens: int, extra: tuple = ()
@@ -534,7 +538,9 @@ def lookup_draft(
             latest.append(torch.where(match & (ends + after <= length), ends, -1).max())
     latest = torch.stack(latest)
     hit = latest >= 0
-    start = latest.index_select(0, hit.long().argmax().view(1)).clamp(min=0)  # the first preference that occurs
+    start = latest.index_select(0, hit.long().argmax().view(1)).clamp(
+        min=0
+    )  # the first preference that occurs
     return history.index_select(0, (start + index[:k]).clamp(max=size - 1)), hit.any()
 
 

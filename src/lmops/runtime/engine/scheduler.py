@@ -213,7 +213,9 @@ class Scheduler:
         (`SamplingParams.graph_draw`: a penalised, biased, masked or logprobs row, or top_p
         over the whole vocabulary, needs the eager sampler between steps): as many as `room`,
         the request's max_tokens and the free blocks allow (the graph's loop runs any count)."""
-        run = self.num_scheduler_steps * (1 + self.num_speculative_tokens if self._drafts_in_graph(seq) else 1)
+        run = self.num_scheduler_steps * (
+            1 + self.num_speculative_tokens if self._drafts_in_graph(seq) else 1
+        )
         k = min(run - 1, room, seq.request.max_tokens - seq.num_output_tokens - 1)
         if k <= 0 or not self._alone(seq) or not seq.graph_draws:
             return 0
