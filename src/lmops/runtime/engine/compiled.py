@@ -14,7 +14,9 @@ tokens). With multi-step decoding
 one graph call, each step's token the next one's input: one call, and one pass of the
 Python around it, for up to S tokens. The steps are a loop inside the graph (`while_loop`),
 whose body is compiled once whatever S, and which runs any count up to S (a request's last
-few tokens too). Any other step (prefills, mixed batches, more sequences than the largest
+few tokens too). With prompt lookup as well, a lone greedy sequence's run drafts in the loop
+(`lookup_draft`), verifies 1 + K rows a pass and keeps greedy's tokens, up to S passes: the
+Python around a verification is paid once for them. Any other step (prefills, mixed batches, more sequences than the largest
 size) takes the runner's eager path.
 
 CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs

@@ -131,7 +131,9 @@ class EngineConfig:
     grammar_compile_timeout: float = 5.0
     # Speculative decoding: up to this many tokens a step proposed by prompt lookup (n-gram
     # matches in the sequence's own tokens) and verified in the same forward; greedy output
-    # is greedy's own, sampled output keeps its distribution (rejection sampling). 0 disables it.
+    # is greedy's own, sampled output keeps its distribution (rejection sampling). With
+    # multi-step decoding a lone greedy request drafts and verifies inside its compiled run
+    # (up to num_scheduler_steps passes of 1 + this many tokens a graph call). 0 disables it.
     num_speculative_tokens: int = 0
     # A draft model directory (config.json, model.safetensors, and the target's own
     # tokenizer.json) whose greedy tokens are the drafts instead of prompt lookup's; None:
