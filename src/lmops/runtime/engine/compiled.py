@@ -362,14 +362,14 @@ class CompiledDecode:
         last_position = fw.cos.shape[0] - 1
 
         def step(n, last, ahead, tokens, history, counts):
-            draft, found = lookup_draft(history, length + n, K)
+            draft, own = lookup_draft(history, length + n, K)
             j = n + rows  # the run's rows of the last token and of the draft
             attn = DecodeAttention(context, cached, groups, (ahead, j))
             positions = (meta[1, :1] + j).clamp(max=last_position)  # a draft past the end is not kept
             best = fw.logits(fw(torch.cat((last, draft)), positions, attn)).argmax(-1)
             room = steps - n - 1  # tokens the run may still keep after this pass's own
             kept = torch.minimum((best[:K] == draft).long().cumprod(0).sum(0, keepdim=True), room)
-            counts = counts + found * torch.cat((room.clamp(max=K), kept))
+            counts = counts + torch.cat((torch.minimum(own, room), torch.minimum(kept, own)))
             history = history.index_copy(0, length + j, best)  # past the kept ones: overwritten
             tokens = tokens.index_copy(0, j, best)
             return n + kept + 1, best.index_select(0, kept), torch.stack(attn.new_kv), tokens, history, counts
@@ -524,10 +524,11 @@ def lookup_draft(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """scheduler.ngram_draft in tensors, for a graph: the k tokens after the latest earlier
     occurrence of the last n of `history`'s first `length` (1,) tokens, for the longest n <=
-    max_n that occurs, an occurrence with k tokens after it first; and whether one does. The
-    draft is read from `history` whatever lies there (past `length`, where the occurrence has
-    fewer than k tokens after it; the start, where none occurs): a draft token is kept only
-    where greedy decoding agrees with it."""
+    max_n that occurs, an occurrence with k tokens after it first; and how many of them
+    ngram_draft would propose (1,) (0 where none occurs; fewer than k where the occurrence
+    has fewer tokens after it). The rest are read from `history` whatever lies there (past
+    `length`; the start, where none occurs): a draft token is kept only where greedy decoding
+    agrees with it, and is counted as a draft only if it is the sequence's own."""
     size = history.shape[0]
     index = torch.arange(size, device=history.device)
     latest = []  # the draft's start in history, or -1, by (n, tokens after) in preference order
@@ -540,10 +541,9 @@ def lookup_draft(
             latest.append(torch.where(match & (ends + after <= length), ends, -1).max())
     latest = torch.stack(latest)
     hit = latest >= 0
-    start = latest.index_select(0, hit.long().argmax().view(1)).clamp(
-        min=0
-    )  # the first preference that occurs
-    return history.index_select(0, (start + index[:k]).clamp(max=size - 1)), hit.any()
+    start = latest.index_select(0, hit.long().argmax().view(1))  # the first preference that occurs
+    own = torch.where(start >= 0, (length - start).clamp(max=k), 0)
+    return history.index_select(0, (start.clamp(min=0) + index[:k]).clamp(max=size - 1)), own
 
 
 def _keep_precompiled_headers_in(directory: Path) -> None:

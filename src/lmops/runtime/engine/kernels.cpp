@@ -118,6 +118,29 @@ void block_tile(const float* x, int64_t K, const float* wb, float* y, int64_t ld
   }
 }
 
+// One row of x against 4 consecutive whole blocks (64 columns), into y: a broadcast of x for
+// 8 multiply-adds, 4 streams each read front to back (a single row's product is all loads: one
+// block at a time, its 16 columns took a broadcast for every 2).
+void row_quad_tile(const float* x, int64_t K, const float* wb, float* y) {
+  const float* w[4] = {wb, wb + K * kBlock, wb + 2 * K * kBlock, wb + 3 * K * kBlock};
+  __m256 acc[4][2];
+#pragma GCC unroll 8
+  for (int q = 0; q < 4; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b = _mm256_broadcast_ss(x + k);
+#pragma GCC unroll 8
+    for (int q = 0; q < 4; ++q) {
+      acc[q][0] = _mm256_fmadd_ps(b, _mm256_loadu_ps(w[q] + k * kBlock), acc[q][0]);
+      acc[q][1] = _mm256_fmadd_ps(b, _mm256_loadu_ps(w[q] + k * kBlock + 8), acc[q][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int q = 0; q < 4; ++q) {
+    _mm256_storeu_ps(y + q * kBlock, acc[q][0]);
+    _mm256_storeu_ps(y + q * kBlock + 8, acc[q][1]);
+  }
+}
+
 // Every row of x against one block, up to 6 rows at a time (the block stays in L1 for the
 // next 6); the tiles keep 8 to 12 accumulators of the 16 registers.
 void block_product(const float* x, int64_t R, int64_t K, const float* wb, float* y, int64_t ldy) {
@@ -149,8 +172,12 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w_blocks, int64_t
   const float* xp = xc.const_data_ptr<float>();
   const float* wp = wc.const_data_ptr<float>();
   float* yp = y.mutable_data_ptr<float>();
+  const int64_t whole = n / kBlock;  // blocks without padding
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+    int64_t b = begin;
+    if (R == 1)
+      for (; b + 4 <= std::min(end, whole); b += 4) row_quad_tile(xp, K, wp + b * K * kBlock, yp + b * kBlock);
+    for (; b < end; ++b) {
       const int64_t width = std::min(kBlock, n - b * kBlock);
       if (width == kBlock) {
         block_product(xp, R, K, wp + b * K * kBlock, yp + b * kBlock, n);
