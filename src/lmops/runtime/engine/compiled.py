@@ -16,8 +16,8 @@ Python around it, for up to S tokens. The steps are a loop inside the graph (`wh
 whose body is compiled once whatever S, and which runs any count up to S (a request's last
 few tokens too). With prompt lookup as well, a lone greedy sequence's run drafts in the loop
 (`lookup_draft`), verifies 1 + K rows a pass and keeps greedy's tokens, up to S passes: the
-Python around a verification is paid once for them. Any other step (prefills, mixed batches, more sequences than the largest
-size) takes the runner's eager path.
+Python around a verification is paid once for them. Any other step (prefills, mixed
+batches, more sequences than the largest size) takes the runner's eager path.
 
 CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs
 for the GPU are not written yet (nothing here could test them), so CUDA stays eager.
