@@ -160,9 +160,12 @@ def test_lmops_compile_env_rejects_other_values(monkeypatch):
 
 
 def test_compiled_int8_matches_eager_int8(model_dir, prompts):
-    """The quantized weights (lmops.runtime.quantize) trace into the graph like float ones."""
+    """The quantized weights (lmops.runtime.quantize) trace into the graph like float ones.
+    (One step a call: two sequences never take a run, so its graphs are not compiled.)"""
     engines = [
-        LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=2, quantization="int8", compile=c)
+        LLMEngine.from_pretrained(
+            model_dir, device="cpu", max_num_seqs=2, quantization="int8", compile=c, num_scheduler_steps=1
+        )
         for c in (True, False)
     ]
     assert engines[0].runner.decode is not None
@@ -175,9 +178,12 @@ def test_compiled_int8_matches_eager_int8(model_dir, prompts):
 def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp_path, caplog):
     """A second engine loads the first one's graphs without compiling; an unreadable cache
     file is compiled afresh (with a warning) and replaced. Everything is under
-    TORCHINDUCTOR_CACHE_DIR, so a cache shared by pods serves a new one whole."""
+    TORCHINDUCTOR_CACHE_DIR, so a cache shared by pods serves a new one whole. (One step a
+    call, two graphs compiled afresh: a run's graph loads from disk in `multi_step_engine`,
+    and in the image test's second container.)"""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    first = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
+    one_step = {"device": "cpu", "max_num_seqs": 1, "compile": True, "num_scheduler_steps": 1}
+    first = LLMEngine.from_pretrained(model_dir, **one_step)
     assert len(list((tmp_path / "lmops-decode").glob("*-b1.bin"))) == 1
     draw = next((tmp_path / "lmops-decode").glob("*-draw.bin"))
     graphs = len(list((tmp_path / "lmops-decode").glob("*.bin")))
@@ -199,20 +205,20 @@ def test_compiled_graphs_are_cached_on_disk(model_dir, prompts, monkeypatch, tmp
     monkeypatch.setattr(compiled_module.torch, "compile", NoCompile)
     monkeypatch.setattr(compiled_module, "_LOADED", {})  # what this process loaded before
     with caplog.at_level(logging.INFO, logger=compiled_module.log.name):
-        second = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
+        second = LLMEngine.from_pretrained(model_dir, **one_step)
     assert second.runner.decode.graphs_compiled == 0
     assert f"({graphs} graphs: {graphs} loaded from the cache, 0 compiled)" in caplog.text
     assert [o.token_ids for o in second.generate(batch, GREEDY)] == expected
     # A loaded graph is loaded once per process (each load keeps its code for good): a
     # new version of the model, swapped in, calls the same one.
-    swapped_in = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
+    swapped_in = LLMEngine.from_pretrained(model_dir, **one_step)
     assert swapped_in.runner.decode._steps[1, 1] is second.runner.decode._steps[1, 1]
     assert first.runner.decode._steps[1, 1] is not second.runner.decode._steps[1, 1]
 
     monkeypatch.setattr(compiled_module.torch, "compile", real_compile)
     monkeypatch.setattr(compiled_module, "_LOADED", {})
     draw.write_bytes(b"not a graph")  # the quickest graph to compile again
-    third = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=1, compile=True)
+    third = LLMEngine.from_pretrained(model_dir, **one_step)
     assert "ignoring unreadable cache" in caplog.text
     assert third.runner.decode.graphs_compiled == 1
     assert [o.token_ids for o in third.generate(batch, GREEDY)] == expected
