@@ -301,7 +301,7 @@ def speculative_engine(model_dir):
     engine = LLMEngine.from_pretrained(
         model_dir, device="cpu", max_num_seqs=3, compile=True, num_speculative_tokens=4
     )
-    assert engine.runner.lookup_runs and engine.runner.decode.lookup_tokens == 8 * 5
+    assert engine.runner.lookup_tokens == engine.scheduler.lookup_tokens == 8 * 5
     return engine
 
 
@@ -312,7 +312,7 @@ def one_step_speculative_engine(model_dir, speculative_engine):
     engine = LLMEngine.from_pretrained(
         model_dir, device="cpu", max_num_seqs=3, compile=True, num_speculative_tokens=4, num_scheduler_steps=1
     )
-    assert engine.runner.decode.graphs_compiled == 0 and not engine.runner.lookup_runs
+    assert engine.runner.decode.graphs_compiled == 0 and not engine.runner.lookup_tokens
     return engine
 
 

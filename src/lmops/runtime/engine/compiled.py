@@ -199,7 +199,6 @@ class CompiledDecode:
         options = {"cpp_wrapper": True, "guard_filter_fn": lambda guards: [False] * len(guards)}
         one_step = torch.compile(self._eager_step, fullgraph=True, options=options)
         run = torch.compile(self._eager_run, fullgraph=True, options=options)
-        lookup_run = torch.compile(self._eager_lookup_run, fullgraph=True, options=options)
         # (Imported here: torch._dynamo takes a second to import, which an engine that
         # does not compile need not pay.)
         from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -240,14 +239,15 @@ class CompiledDecode:
         # With prompt lookup (speculative decoding without a draft model), a lone greedy
         # sequence's runs draft and verify in the graph's loop too (`_eager_lookup_run`): runs
         # of up to S passes of the loop, each making up to 1 + K tokens.
-        self.lookup_tokens = scheduler_steps * self.verify_len
-        self.history_len = model.config.max_seq_len + self.lookup_tokens + num_speculative_tokens
-        lookup = None
+        # `lookup_tokens`: the most tokens such a run makes (the scheduler's lookahead), 0 if none.
+        lookup, self.lookup_tokens = None, 0
         if prompt_lookup and num_speculative_tokens and scheduler_steps > 1:
+            self.lookup_tokens = tokens = scheduler_steps * self.verify_len
+            self.history_len = model.config.max_seq_len + tokens + num_speculative_tokens
             lookup = self._load_or_compile(
-                lookup_run,
-                f"{key}-b1s{self.lookup_tokens}k{num_speculative_tokens}-lookup",
-                lambda: self._step_inputs(1, self.lookup_tokens, self._lookup_inputs(self.lookup_tokens)),
+                torch.compile(self._eager_lookup_run, fullgraph=True, options=options),
+                f"{key}-b1s{tokens}k{num_speculative_tokens}-lookup",
+                lambda: self._step_inputs(1, tokens, self._lookup_inputs(tokens)),
             )
         # The draw of a plain step's sampled rows, after its graph: one graph for any number of
         # rows, so the step graphs stay free of the sampler (benchmarks/README.md, "Batched
@@ -257,9 +257,8 @@ class CompiledDecode:
         # Kept on self only now: dynamo pickles what the traced method's `self` holds into a
         # graph's guards, and a compiled graph there cannot be pickled.
         self._steps, self._lone, self._lookup = graphs, lone, lookup
-        self.lookup_runs = lookup is not None
         self.compile_seconds = time.perf_counter() - t
-        total = len(graphs) + len(lone) + self.lookup_runs + 1  # and the draw graph
+        total = len(graphs) + len(lone) + (lookup is not None) + 1  # and the draw graph
         log.info(
             "compiled decode in %.1f s (%d graphs: %d loaded from the cache, %d compiled), "
             "few-row products and attention through %s",
@@ -490,7 +489,7 @@ class CompiledDecode:
         seq = seqs[0]
         if seq.lookahead:  # the scheduler's, for a lone sequence that `graph_draws` only
             steps, sampled = 1 + seq.lookahead, not seq.params.greedy
-            if self._lookup is not None and not sampled:
+            if self.lookup_tokens and not sampled:
                 extra = self._lookup_inputs(steps, seq)
                 tokens, counts = self._run(seqs, self._lookup, 1, self.lookup_tokens, extra)
                 drafted, kept = counts.tolist()

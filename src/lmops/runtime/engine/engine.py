@@ -154,7 +154,7 @@ class LLMEngine:
             engine_config.scheduling_policy,
             self.draft_model,
             self.runner.scheduler_steps,
-            self.runner.lookup_runs,
+            self.runner.lookup_tokens,
         )
         self.reset_metrics()
         self.requests: dict[str, Request] = {}

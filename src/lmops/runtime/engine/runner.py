@@ -153,7 +153,7 @@ class ModelRunner:
     """`compile_up_to` > 0 compiles decode steps of up to that many sequences (compiled.py),
     with the pool's last block, which the block manager must not hand out, as scratch;
     `prompt_lookup` (speculative drafts from prompt lookup, not a draft model): a lone greedy
-    sequence's compiled runs draft and verify in the graph (`lookup_runs`)."""
+    sequence's compiled runs draft and verify in the graph (`lookup_tokens` a run at most)."""
 
     def __init__(
         self,
@@ -183,7 +183,7 @@ class ModelRunner:
                 self.forward.drop_packed()  # nothing reads them now
         # Multi-step decoding runs only in its compiled graph: eagerly, one step at a time.
         self.scheduler_steps = self.decode.scheduler_steps if self.decode is not None else 1
-        self.lookup_runs = self.decode is not None and self.decode.lookup_runs
+        self.lookup_tokens = self.decode.lookup_tokens if self.decode is not None else 0
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = pool.block_size

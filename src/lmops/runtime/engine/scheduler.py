@@ -22,8 +22,8 @@ graph can make (`SamplingParams.graph_draw`: greedy, or sampled with temperature
 filters alone) gets a lookahead of up to S - 1 tokens: the
 compiled graph generates them after its next token, each step's token (argmax or draw) the
 next one's input, so one step of the engine makes up to S tokens (compiled.py). With
-`lookup_runs` too (prompt lookup, compiled), a lone greedy decode drafts in the graph's
-loop instead of here: it gets the lookahead, no draft, and the graph drafts, verifies and
+`lookup_tokens` too (prompt lookup, compiled: S x (1 + K)), a lone greedy decode drafts in
+the graph's loop instead of here: it gets a lookahead of up to that many - 1, no draft, and the graph drafts, verifies and
 keeps greedy's tokens until it has made them all.
 
 `update` is the step's other half: it applies what the runner computed and the sampler
@@ -106,7 +106,7 @@ class Scheduler:
         policy: str = "fcfs",
         proposer: Proposer | None = None,
         num_scheduler_steps: int = 1,
-        lookup_runs: bool = False,
+        lookup_tokens: int = 0,
     ):
         self.bm = block_manager
         self.by_priority = policy == "priority"
@@ -116,7 +116,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.proposer = proposer or NgramProposer()
         self.num_scheduler_steps = num_scheduler_steps
-        self.lookup_runs = lookup_runs
+        self.lookup_tokens = lookup_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -208,14 +208,13 @@ class Scheduler:
         return draft
 
     def _lookahead(self, seq: Sequence, room: int) -> int:
-        """Up to `num_scheduler_steps` - 1 for a decode that is the only sequence, nothing
+        """Up to `num_scheduler_steps` - 1 (`lookup_tokens` - 1 for a run that drafts in the
+        graph) for a decode that is the only sequence, nothing
         waiting (a newcomer would wait for the whole run of steps), a draw the graph can make
         (`SamplingParams.graph_draw`: a penalised, biased, masked or logprobs row, or top_p
         over the whole vocabulary, needs the eager sampler between steps): as many as `room`,
         the request's max_tokens and the free blocks allow (the graph's loop runs any count)."""
-        run = self.num_scheduler_steps * (
-            1 + self.num_speculative_tokens if self._drafts_in_graph(seq) else 1
-        )
+        run = self.lookup_tokens if self._drafts_in_graph(seq) else self.num_scheduler_steps
         k = min(run - 1, room, seq.request.max_tokens - seq.num_output_tokens - 1)
         if k <= 0 or not self._alone(seq) or not seq.graph_draws:
             return 0
@@ -228,8 +227,8 @@ class Scheduler:
         return len(self.running) == 1 and not self.waiting and not seq.pending_forks
 
     def _drafts_in_graph(self, seq: Sequence) -> bool:
-        """A lone greedy decode whose run drafts in the graph (`lookup_runs`)."""
-        return self.lookup_runs and seq.params.greedy and seq.graph_draws and self._alone(seq)
+        """A lone greedy decode whose run drafts in the graph (`lookup_tokens` > 0)."""
+        return self.lookup_tokens > 0 and seq.params.greedy and seq.graph_draws and self._alone(seq)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """At the first sample of an n > 1 request: siblings sharing the prompt's blocks."""
