@@ -15,8 +15,10 @@ from lmops.runtime.engine import LLMEngine, SamplingParams, kernels
 from lmops.runtime.engine import compiled as compiled_module
 from lmops.runtime.engine import engine as engine_module
 from lmops.runtime.engine import scheduler as scheduler_module
+from lmops.runtime.engine.compiled import LOOKUP_MIN_MATCH
 from lmops.runtime.engine.config import EngineConfig
 from lmops.runtime.engine.forward import SMALL_PRODUCT_ROWS, linear, norm_linear
+from lmops.runtime.engine.scheduler import ngram_draft
 from lmops.runtime.model import rms_norm
 from lmops.runtime.model_config import TINY_SHAPE
 from tests.unit.engine.conftest import MAX_LEN, synthetic_corpus
@@ -386,7 +388,8 @@ def test_lookup_runs_draft_and_verify_in_the_graph(
     """A lone greedy request with prompt lookup, multi-step: after the prefill its 39 tokens
     come from one graph call, which drafted, verified and kept greedy's tokens by itself
     (the scheduler drafted nothing, the sampler ran for the prefill only), to eager greedy's
-    tokens; on an echoed prompt it kept drafts (counted in /metrics), and fewer than it drafted."""
+    tokens; on an echoed prompt it kept drafts (counted in /metrics), and fewer than it
+    drafted; it drafted only after a match of 2 tokens or more."""
     engine = speculative_engine
     prompt = prompts[4] + prompts[4] if echoed else prompts[7]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -408,6 +411,13 @@ def test_lookup_runs_draft_and_verify_in_the_graph(
     )
     if echoed:
         assert 0 < kept < drafted
+    # A pass drafts only where the tokens so far end in a match of LOOKUP_MIN_MATCH tokens or
+    # more (elsewhere it is a plain one-row step): K tokens at most at each such position.
+    tokens = prompt + want
+    drafting = [
+        m for m in range(len(prompt) + 1, len(tokens)) if ngram_draft(tokens[:m], 4, min_n=LOOKUP_MIN_MATCH)
+    ]
+    assert drafted <= 4 * len(drafting)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 13, 60])

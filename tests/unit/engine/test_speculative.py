@@ -4,6 +4,7 @@ distributed exactly as without a draft for sampled ones (rejection sampling)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import Counter
@@ -32,25 +33,28 @@ def test_ngram_draft_takes_the_latest_longest_match():
     # 261, 256 are bytes 05 01 00 00 | 00 01 00 00: token 1 (01 00 00 00) is in them, across
     # a token boundary, and is no match.
     assert ngram_draft([261, 256, 1], 3) == []
+    assert ngram_draft([5, 1, 7, 2, 1], 4, min_n=2) == []  # a match of 2 tokens or more only
+    assert ngram_draft([1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 1, 2], 2, min_n=2) == [3, 7]
 
 
 def test_lookup_draft_is_ngram_draft_in_tensors():
     """The compiled lookup run's drafter (compiled.lookup_draft) finds what ngram_draft finds,
     on the cases above and on 2,000 random sequences of small vocabularies (many matches,
-    of every length): ngram_draft's tokens first, and as many counted as the sequence's own
-    (the rest read past the tokens: `length` hides them from the search only)."""
+    of every length), for matches of any length and of 2 tokens or more: ngram_draft's
+    tokens first, and as many counted as the sequence's own (the rest read past the tokens:
+    `length` hides them from the search only)."""
     rng = random.Random(0)
     cases = [([1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 1, 2, 3], 2), ([5, 1, 7, 2, 1], 4), ([4, 5, 6], 3), ([8] * 6, 3)]
     cases += [
         ([rng.randrange(rng.choice([2, 3, 5, 20])) for _ in range(rng.randint(1, 40))], rng.choice([1, 2, 4]))
         for _ in range(2000)
     ]
-    for tokens, k in cases:
+    for (tokens, k), min_n in itertools.product(cases, (1, 2)):
         history = torch.tensor(tokens + [rng.randrange(20) for _ in range(8)])  # what lies past them
-        draft, own = lookup_draft(history, torch.tensor([len(tokens)]), k)
-        want = ngram_draft(tokens, k)
-        assert own.tolist() == [len(want)], (tokens, k)
-        assert draft.shape == (k,) and draft.tolist()[: len(want)] == want, (tokens, k)
+        draft, own = lookup_draft(history, torch.tensor([len(tokens)]), k, min_n=min_n)
+        want = ngram_draft(tokens, k, min_n=min_n)
+        assert own.tolist() == [len(want)], (tokens, k, min_n)
+        assert draft.shape == (k,) and draft.tolist()[: len(want)] == want, (tokens, k, min_n)
 
 
 @pytest.mark.parametrize(

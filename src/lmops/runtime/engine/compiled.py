@@ -15,8 +15,9 @@ one graph call, each step's token the next one's input: one call, and one pass o
 Python around it, for up to S tokens. The steps are a loop inside the graph (`while_loop`),
 whose body is compiled once whatever S, and which runs any count up to S (a request's last
 few tokens too). With prompt lookup as well, a lone greedy sequence's run drafts in the loop
-(`lookup_draft`), verifies 1 + K rows a pass and keeps greedy's tokens, up to S passes: the
-Python around a verification is paid once for them. Any other step (prefills, mixed
+(`lookup_draft`), and a pass that found a draft verifies 1 + K rows and keeps greedy's
+tokens, one that did not is a plain step (`torch.cond`): the Python around a verification
+is paid once for a run of them. Any other step (prefills, mixed
 batches, more sequences than the largest size) takes the runner's eager path.
 
 CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs
@@ -63,6 +64,11 @@ log = logging.getLogger(__name__)
 # shrinks as a step's matrix products grow (measured in benchmarks/README.md: clear at 4
 # sequences, within noise at 16), so larger steps stay eager and engine start stays short.
 BATCH_SIZES = (1, 2, 4, 8, 16)
+# A lookup run drafts from a match of this many tokens or more; after a shorter one (or
+# none) its pass is a plain one-row step. A 1-token match's draft is mostly wrong, and
+# verifying it costs a second row's step (benchmarks/README.md, "Prompt lookup inside the
+# run, one row where there is no draft").
+LOOKUP_MIN_MATCH = 2
 # The graphs this process has loaded from the disk cache, by path (the structure and the
 # size name the file): a graph fits every engine of that structure, and each load keeps its compiled
 # code in the process for good (about 0.5 MiB an engine), so a replica swapping in new
@@ -346,32 +352,54 @@ class CompiledDecode:
         self, meta, tables, steps, history, length
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Multi-step decoding of a greedy sequence with prompt lookup in the loop: each pass
-        drafts K tokens from the tokens so far (`lookup_draft` on `history`, whose first
-        `length` are the sequence's, and the run's after them), verifies them in one forward
-        of 1 + K rows, and keeps the draft's prefix that greedy decoding agrees with and
-        greedy's next token, until `steps` (a tensor, up to S) tokens: greedy's tokens, in
-        fewer forwards and no Python between them. The run's tokens (S,), its (drafted,
-        kept) draft tokens (2,), and the K/V of its S rows (as `_eager_run`'s: rows from
-        `steps` on are not computed)."""
+        looks for K draft tokens in the tokens so far (`lookup_draft` on `history`, whose first
+        `length` are the sequence's, and the run's after them; a match of LOOKUP_MIN_MATCH
+        tokens or more). Where it finds them, the pass verifies them in one forward of 1 + K
+        rows and keeps the draft's prefix that greedy decoding agrees with and greedy's next
+        token; where not, it is a plain step of one row (`torch.cond`: a 1 + K-row forward
+        costs about two of one row). Until `steps` (a tensor, up to S) tokens: greedy's
+        tokens, in fewer forwards and no Python between them. The run's tokens (S,), its
+        (drafted, kept) draft tokens (2,), and the K/V of its S rows (as `_eager_run`'s: rows
+        from `steps` on are not computed)."""
         fw = self.forward
         S, K, groups = meta.shape[1], self.verify_len - 1, fw.n_head // fw.n_kv
-        rows = torch.arange(K + 1, device=meta.device)
         context = DecodeAttention.gather(self.pool.kv, tables)
-        cached = meta[3, :1].repeat(K + 1)  # every row sees the keys cached before the run
         last_position = fw.cos.shape[0] - 1
 
+        def forward_pass(T: int):
+            """A pass of T rows: the last token and the draft's first T - 1."""
+            rows = torch.arange(T, device=meta.device)
+            cached = meta[3, :1].repeat(T)  # every row sees the keys cached before the run
+
+            def run(n, last, ahead, tokens, history, counts, draft, own):
+                j = n + rows  # the run's rows of this pass's tokens
+                attn = DecodeAttention(context, cached, groups, (ahead, j))
+                positions = (meta[1, :1] + j).clamp(max=last_position)  # a draft past the end is not kept
+                best = fw.logits(fw(torch.cat((last, draft[: T - 1])), positions, attn)).argmax(-1)
+                room = steps - n - 1  # tokens the run may still keep after this pass's own
+                agree = (best[: T - 1] == draft[: T - 1]).long().cumprod(0)
+                kept = torch.minimum(agree.sum(0, keepdim=True), room)
+                counts = counts + torch.cat((torch.minimum(own, room), torch.minimum(kept, own)))
+                history = history.index_copy(0, length + j, best)  # past the kept ones: overwritten
+                tokens = tokens.index_copy(0, j, best)
+                return (
+                    n + kept + 1,
+                    best.index_select(0, kept),
+                    torch.stack(attn.new_kv),
+                    tokens,
+                    history,
+                    counts,
+                )
+
+            return run
+
+        verify, plain = forward_pass(K + 1), forward_pass(1)
+
         def step(n, last, ahead, tokens, history, counts):
-            draft, own = lookup_draft(history, length + n, K)
-            j = n + rows  # the run's rows of the last token and of the draft
-            attn = DecodeAttention(context, cached, groups, (ahead, j))
-            positions = (meta[1, :1] + j).clamp(max=last_position)  # a draft past the end is not kept
-            best = fw.logits(fw(torch.cat((last, draft)), positions, attn)).argmax(-1)
-            room = steps - n - 1  # tokens the run may still keep after this pass's own
-            kept = torch.minimum((best[:K] == draft).long().cumprod(0).sum(0, keepdim=True), room)
-            counts = counts + torch.cat((torch.minimum(own, room), torch.minimum(kept, own)))
-            history = history.index_copy(0, length + j, best)  # past the kept ones: overwritten
-            tokens = tokens.index_copy(0, j, best)
-            return n + kept + 1, best.index_select(0, kept), torch.stack(attn.new_kv), tokens, history, counts
+            draft, own = lookup_draft(history, length + n, K, min_n=LOOKUP_MIN_MATCH)
+            return torch.cond(
+                own[0] > 0, verify, plain, (n, last, ahead, tokens, history, counts, draft, own)
+            )
 
         shape = (len(fw.layers), 2 * fw.n_kv, S + K, fw.head_dim)
         start = (
@@ -519,11 +547,11 @@ class CompiledDecode:
 
 
 def lookup_draft(
-    history: torch.Tensor, length: torch.Tensor, k: int, max_n: int = 3
+    history: torch.Tensor, length: torch.Tensor, k: int, max_n: int = 3, min_n: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """scheduler.ngram_draft in tensors, for a graph: the k tokens after the latest earlier
-    occurrence of the last n of `history`'s first `length` (1,) tokens, for the longest n <=
-    max_n that occurs, an occurrence with k tokens after it first; and how many of them
+    occurrence of the last n of `history`'s first `length` (1,) tokens, for the longest
+    min_n <= n <= max_n that occurs, an occurrence with k tokens after it first; and how many of them
     ngram_draft would propose (1,) (0 where none occurs; fewer than k where the occurrence
     has fewer tokens after it). The rest are read from `history` whatever lies there (past
     `length`; the start, where none occurs): a draft token is kept only where greedy decoding
@@ -531,7 +559,7 @@ def lookup_draft(
     size = history.shape[0]
     index = torch.arange(size, device=history.device)
     latest = []  # the draft's start in history, or -1, by (n, tokens after) in preference order
-    for n in range(max_n, 0, -1):
+    for n in range(max_n, min_n - 1, -1):
         tail = history.index_select(0, (length - n + index[:n]).clamp(min=0))
         windows = torch.stack([history[i : size - n + 1 + i] for i in range(n)])
         ends = index[: size - n + 1] + n  # the token after each window

@@ -328,15 +328,15 @@ class Scheduler:
         self.proposer.drop(seq)
 
 
-def ngram_draft(token_ids: list[int], k: int, max_n: int = 3) -> list[int]:
+def ngram_draft(token_ids: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
     """Prompt lookup: the (up to) k tokens that followed the latest earlier occurrence of the
-    sequence's last n tokens, for the longest n <= max_n that occurs; [] if none does. An
+    sequence's last n tokens, for the longest min_n <= n <= max_n that occurs; [] if none does. An
     occurrence with k tokens after it comes first (in a loop the latest one has only the
     last token after it). Searched as bytes: `rfind` is C, a Python scan of a long context
     is not."""
     buf = array("i", token_ids).tobytes()
     size = array("i").itemsize  # bytes per token
-    for n in range(min(max_n, len(token_ids) - 1), 0, -1):
+    for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
         tail = buf[-n * size :]
         for after in (k, 1):  # tokens the occurrence must leave after it
             end = len(buf) - after * size
