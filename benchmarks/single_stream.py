@@ -15,7 +15,9 @@ graphs are compiled for one thread count, hence a worker per count. The workers 
 request by request for `--rounds` rounds (medians), so load from other jobs falls on all alike.
 Decode tok/s = 127 / (last token - first token), by the wall clock and by the worker's CPU
 time over the same steps (on a shared machine the CPU time is the steadier figure: it leaves
-out the time other jobs held the core); TTFT from the request's metrics. `--speculative K`
+out the time other jobs held the core); TTFT from the request's metrics, each prompt cold (lmops'
+prefix cache is reset before every request: the rounds repeat the prompts, and CTranslate2
+caches none). `--speculative K`
 adds a third worker: the engine as it is with `num_speculative_tokens=K` (and its
 acceptance rate: accepted / drafted tokens), its drafts from prompt lookup; `--draft-model`
 adds a fourth, its drafts from a draft model: `target` (the benchmark's model as its own
@@ -117,6 +119,7 @@ def worker(
         ask = json.loads(line)
         prompt, new = ask["prompt"], ask["new"]
         engine.reset_metrics()
+        engine.reset_prefix_cache()  # a cold prompt each time: the rounds repeat the prompts
         params = SamplingParams(**{"temperature": 0, **sampling}, max_tokens=new, ignore_eos=True)
         for j in range(concurrency):
             engine.add_request(f"{i}.{j}", prompt, params)

@@ -15,7 +15,7 @@ from lmops.runtime.engine import LLMEngine, SamplingParams, kernels
 from lmops.runtime.engine import compiled as compiled_module
 from lmops.runtime.engine import engine as engine_module
 from lmops.runtime.engine import scheduler as scheduler_module
-from lmops.runtime.engine.compiled import LOOKUP_MIN_MATCH
+from lmops.runtime.engine.compiled import LOOKUP_MIN_MATCH, PREFILL_MIN_TOKENS
 from lmops.runtime.engine.config import EngineConfig
 from lmops.runtime.engine.forward import SMALL_PRODUCT_ROWS, linear, norm_linear
 from lmops.runtime.engine.scheduler import ngram_draft
@@ -40,9 +40,11 @@ def test_lmops_compile_env_sets_the_default(monkeypatch):
 def compiled_engine(model_dir):
     """max_num_seqs 3: batch sizes 1, 2 and 4, so a 3-sequence step is padded. One step a
     call, so that a lone decode takes the size-1 graph too (multi-step's runs, on by default,
-    have their own fixture: `multi_step_engine`)."""
+    have their own fixture: `multi_step_engine`). No drift sampling, in this module's
+    engines: a request scoring its prompt prefills eagerly, and the tests count the sampler's
+    calls (`test_a_prompt_that_is_not_fresh_or_alone_prefills_eagerly` has one)."""
     return LLMEngine.from_pretrained(
-        model_dir, device="cpu", max_num_seqs=3, compile=True, num_scheduler_steps=1
+        model_dir, device="cpu", max_num_seqs=3, compile=True, num_scheduler_steps=1, drift_sample=0
     )
 
 
@@ -256,11 +258,12 @@ def test_plain_greedy_decodes_take_the_graphs_argmax(compiled_engine, prompts, m
     monkeypatch.setattr(
         engine_module, "sample", lambda logits, *a: calls.append(len(logits)) or real(logits, *a)
     )
+    compiled_engine.reset_prefix_cache()  # a fresh prompt (an earlier test ran this one)
     plain = compiled_engine.generate([prompts[3]], GREEDY)[0]
-    assert calls == [1]  # the prefill's token only (an eager step)
+    assert calls == []  # the prefill's token too: the prefill graph's argmax
     with_logprobs = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
     assert compiled_engine.generate([prompts[3]], with_logprobs)[0].token_ids == plain.token_ids
-    assert len(calls) == 1 + GREEDY.max_tokens
+    assert len(calls) == GREEDY.max_tokens
 
 
 def test_sampled_decodes_draw_in_the_graph(model_dir, compiled_engine, prompts, monkeypatch):
@@ -301,7 +304,7 @@ def speculative_engine(model_dir):
     sequences (at most 16 rows), plain decode graphs for 1, 2 and 4, and (multi-step, on by
     default) a lone greedy sequence's lookup runs, which draft and verify in the graph."""
     engine = LLMEngine.from_pretrained(
-        model_dir, device="cpu", max_num_seqs=3, compile=True, num_speculative_tokens=4
+        model_dir, device="cpu", max_num_seqs=3, compile=True, num_speculative_tokens=4, drift_sample=0
     )
     assert engine.runner.lookup_tokens == engine.scheduler.lookup_tokens == 8 * 5
     return engine
@@ -312,18 +315,41 @@ def one_step_speculative_engine(model_dir, speculative_engine):
     """The speculative engine one step a call: every draft comes from the scheduler and is
     verified by the graphs of 5 tokens a sequence (loaded from the speculative engine's)."""
     engine = LLMEngine.from_pretrained(
-        model_dir, device="cpu", max_num_seqs=3, compile=True, num_speculative_tokens=4, num_scheduler_steps=1
+        model_dir,
+        device="cpu",
+        max_num_seqs=3,
+        compile=True,
+        num_speculative_tokens=4,
+        num_scheduler_steps=1,
+        drift_sample=0,
     )
     assert engine.runner.decode.graphs_compiled == 0 and not engine.runner.lookup_tokens
     return engine
 
 
 def served_by_graphs(engine) -> list[tuple[int, int]]:
-    """(sequences, most new tokens of one) of each step the compiled graphs serve from now on."""
+    """(sequences, most new tokens of one) of each decode step the compiled graphs serve from
+    now on (prefills: `prefilled_by_graph`)."""
     served = []
     run = engine.runner.decode.run
-    engine.runner.decode.run = lambda seqs, num_new: (
-        (r := run(seqs, num_new)) is not None and served.append((len(seqs), max(num_new))) or r
+
+    def spy(seqs, num_new):
+        decoding = all(s.num_computed_tokens == s.num_tokens - 1 for s in seqs)
+        out = run(seqs, num_new)
+        if out is not None and decoding:
+            served.append((len(seqs), max(num_new)))
+        return out
+
+    engine.runner.decode.run = spy
+    return served
+
+
+def prefilled_by_graph(engine) -> list[int]:
+    """The length of each prompt chunk the prefill graph serves from now on."""
+    served = []
+    run = engine.runner.decode._prefill_run
+    engine.runner.decode._prefill_run = lambda seqs, num_new: (
+        (r := run(seqs, num_new)) is not None and served.append(num_new[0]) or r
     )
     return served
 
@@ -376,7 +402,7 @@ def test_right_drafts_are_kept_in_five_graph_calls(
         engine_module, "sample", lambda logits, *a: calls.append(len(logits)) or real(logits, *a)
     )
     assert engine.generate([prompt], GREEDY)[0].token_ids == want
-    assert calls == [1]  # the prefill's token; every verification took the graph's argmax
+    assert calls == []  # the prefill's token and every verification's: the graphs' argmax
     # 1 (the prefill) + 5 + 5 + 4 + 4 + 1: the last token has no room for a draft
     assert [n for _, n in served] == [5, 5, 4, 4, 1]
 
@@ -387,7 +413,7 @@ def test_lookup_runs_draft_and_verify_in_the_graph(
 ):
     """A lone greedy request with prompt lookup, multi-step: after the prefill its 39 tokens
     come from one graph call, which drafted, verified and kept greedy's tokens by itself
-    (the scheduler drafted nothing, the sampler ran for the prefill only), to eager greedy's
+    (the scheduler drafted nothing, the sampler never ran), to eager greedy's
     tokens; on an echoed prompt it kept drafts (counted in /metrics), and fewer than it
     drafted; it drafted only after a match of 2 tokens or more."""
     engine = speculative_engine
@@ -404,7 +430,7 @@ def test_lookup_runs_draft_and_verify_in_the_graph(
     )
     served = served_by_graphs(engine)
     assert engine.generate([prompt], params)[0].token_ids == want
-    assert served == [(1, 39)] and calls == [1]
+    assert served == [(1, 39)] and calls == []
     drafted, kept = (
         value("lmops:spec_decode_num_draft_tokens_total") - drafted,
         value("lmops:spec_decode_num_accepted_tokens_total") - kept,
@@ -448,7 +474,7 @@ def test_lookup_runs_stop_where_greedy_stops(
 def multi_step_engine(model_dir):
     """Multi-step decoding as it is by default, 8 steps a graph call, beside the plain decode
     graphs (the runs' graphs are those of the module's other default engines)."""
-    engine = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=True)
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=3, compile=True, drift_sample=0)
     assert engine.runner.scheduler_steps == 8
     return engine
 
@@ -464,7 +490,7 @@ def test_multi_step_makes_greedys_tokens_eight_a_graph_call(
     """A lone greedy request: each step after the prefill runs 8 decode steps in one graph
     call, each step's argmax the next one's input, to eager one-step greedy's tokens; the
     last 3 tokens, fewer than a run of 8, in one call of the same graph (its loop runs any
-    count up to 8). No sampler after the prefill."""
+    count up to 8). No sampler: the prefill's token is its graph's argmax."""
     engine = multi_step_engine
     wants = [eager_engine.generate([p], GREEDY)[0].token_ids for p in (prompts[2], prompts[9])]
     served = served_by_graphs(engine)
@@ -480,7 +506,7 @@ def test_multi_step_makes_greedys_tokens_eight_a_graph_call(
         assert engine.generate([prompt], GREEDY)[0].token_ids == want
         # 1 (the prefill) + 2 x 8 + 3 = 20 tokens
         assert [n for _, n in served] == [8, 8, 3]
-    assert calls == [1, 1]  # the prefills' tokens only
+    assert calls == []
     assert value("lmops:generation_tokens_total") - tokens_before == 2 * GREEDY.max_tokens
     all_blocks_free(engine)
 
@@ -564,6 +590,71 @@ def test_multi_step_is_a_compiled_path_only(model_dir, prompts):
     assert len(engine.generate([prompts[2]], GREEDY)[0].token_ids) == GREEDY.max_tokens
     with pytest.raises(ValueError, match="num_scheduler_steps must be an integer >= 1, got 0"):
         EngineConfig(num_scheduler_steps=0)
+
+
+def test_a_fresh_prompt_prefills_in_one_graph_call(
+    multi_step_engine, eager_engine, prompts, monkeypatch, all_blocks_free
+):
+    """A lone fresh prompt of PREFILL_MIN_TOKENS tokens or more prefills in one call of the
+    prefill graph, one graph for every length: its argmax is the first token (no sampler
+    call), its logits are eager's (the first token's log-probs), and the K/V it wrote are
+    (the decode graphs that read them make eager greedy's tokens)."""
+    engine = multi_step_engine
+    batch = [prompts[11][:PREFILL_MIN_TOKENS], prompts[2], prompts[9], (prompts[13] * 3)[: MAX_LEN - 20]]
+    wants = [eager_engine.generate([p], GREEDY)[0].token_ids for p in batch]
+    calls = []
+    real = engine_module.sample
+    monkeypatch.setattr(
+        engine_module, "sample", lambda logits, *a: calls.append(len(logits)) or real(logits, *a)
+    )
+    prefilled = prefilled_by_graph(engine)
+    for prompt, want in zip(batch, wants, strict=True):
+        engine.reset_prefix_cache()  # fresh: earlier tests' blocks are cached
+        assert engine.generate([prompt], GREEDY)[0].token_ids == want
+    assert prefilled == [len(p) for p in batch] and calls == []
+    first = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    engine.reset_prefix_cache()
+    got = engine.generate([prompts[9]], first)[0].outputs[0].logprobs[0]
+    want = eager_engine.generate([prompts[9]], first)[0].outputs[0].logprobs[0]
+    assert got["token_id"] == want["token_id"] and got["top"].keys() == want["top"].keys()
+    assert got["top"] == pytest.approx(want["top"], abs=1e-4)
+    assert prefilled[-1] == len(prompts[9])
+    all_blocks_free(engine)
+
+
+def test_a_prompt_that_is_not_fresh_or_alone_prefills_eagerly(
+    model_dir, multi_step_engine, eager_engine, prompts
+):
+    """The prefill graph serves a lone fresh prompt's chunk of PREFILL_MIN_TOKENS tokens or
+    more that does not score its prompt, and nothing else: a shorter prompt, the rest of a
+    prompt after a prefix cache hit, two prompts at once and a prompt asking for its own
+    log-probs (every row's logits) prefill eagerly; a chunked prompt's first chunk takes the
+    graph (and no token: the prompt goes on), its later ones eager. Each to the eager
+    engine's tokens. (A request scoring its prompt for the drift signal is `scoring` as one
+    asking for prompt log-probs is.)"""
+    engine = multi_step_engine
+    engine.reset_prefix_cache()
+    prefilled = prefilled_by_graph(engine)
+    shared = prompts[9][:32] + prompts[11][:40]  # after prompts[9]: its first 2 blocks cached
+    scored = SamplingParams(**GREEDY_FIELDS, prompt_logprobs=1)
+    for batch, params in (
+        ([prompts[9][: PREFILL_MIN_TOKENS - 1]], GREEDY),
+        ([prompts[9]], GREEDY),
+        ([shared], GREEDY),
+        (prompts[12:14], GREEDY),
+        ([prompts[14]], scored),
+    ):
+        got = engine.generate(batch, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in eager_engine.generate(batch, params)]
+    assert prefilled == [len(prompts[9])]
+    chunked = LLMEngine.from_pretrained(
+        model_dir, device="cpu", max_num_seqs=3, compile=True, max_num_batched_tokens=32, drift_sample=0
+    )
+    assert chunked.runner.decode.graphs_compiled == 0
+    prefilled = prefilled_by_graph(chunked)
+    want = eager_engine.generate([prompts[13]], GREEDY)[0].token_ids
+    assert chunked.generate([prompts[13]], GREEDY)[0].token_ids == want
+    assert prefilled == [32]  # prompts[13]'s 108 tokens: 32 in the graph, then 32, 32 and 12
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["lmops-kernel", "inductor-loop"])

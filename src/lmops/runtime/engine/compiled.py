@@ -17,8 +17,10 @@ whose body is compiled once whatever S, and which runs any count up to S (a requ
 few tokens too). With prompt lookup as well, a lone greedy sequence's run drafts in the loop
 (`lookup_draft`), and a pass that found a draft verifies 1 + K rows and keeps greedy's
 tokens, one that did not is a plain step (`torch.cond`): the Python around a verification
-is paid once for a run of them. Any other step (prefills, mixed
-batches, more sequences than the largest size) takes the runner's eager path.
+is paid once for a run of them. A lone fresh prompt's prefill (its time to first
+token) runs through a graph too, one for any length from PREFILL_MIN_TOKENS. Any other
+step (other prefills, mixed batches, more sequences than the largest size) takes the
+runner's eager path.
 
 CPU only for now: `torch.compile` with inductor (which needs a C++ compiler). CUDA graphs
 for the GPU are not written yet (nothing here could test them), so CUDA stays eager.
@@ -49,7 +51,7 @@ from torch._higher_order_ops.while_loop import while_loop  # (imported by torch 
 
 import lmops
 from lmops import atomic
-from lmops.runtime.engine.forward import FusedForward
+from lmops.runtime.engine.forward import SMALL_PRODUCT_ROWS, FusedForward, causal_attention
 from lmops.runtime.engine.kernels import kernels_loaded, load_kernels
 from lmops.runtime.engine.kv_cache import KVPool
 from lmops.runtime.engine.sampling import SamplingParams, batch_draw_inputs, plain_draw, plain_draw_inputs
@@ -69,6 +71,9 @@ BATCH_SIZES = (1, 2, 4, 8, 16)
 # verifying it costs a second row's step (benchmarks/README.md, "Prompt lookup inside the
 # run, one row where there is no draft").
 LOOKUP_MIN_MATCH = 2
+# A lone sequence's prompt chunk of at least this many tokens runs through the prefill graph
+# (its products aten.mm's, which the graph is traced for); a shorter one stays eager.
+PREFILL_MIN_TOKENS = SMALL_PRODUCT_ROWS
 # The graphs this process has loaded from the disk cache, by path (the structure and the
 # size name the file): a graph fits every engine of that structure, and each load keeps its compiled
 # code in the process for good (about 0.5 MiB an engine), so a replica swapping in new
@@ -155,6 +160,19 @@ class DecodeAttention:
         for a multi-step run, not once a step."""
         L, H2, _, _, D = kv.shape
         return kv.index_select(2, tables.view(-1)).view(L, H2, tables.shape[0], -1, D)
+
+
+class PrefillAttention:
+    """Attention for a fresh prompt's chunk in a graph (`causal_attention`: many query rows a
+    head, where DecodeAttention's few-row products would not beat SDPA's flash kernel), its
+    K/V collected in `new_kv` for the caller to write, as DecodeAttention's."""
+
+    def __init__(self):
+        self.new_kv: list[torch.Tensor] = []
+
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        self.new_kv.append(kv.transpose(0, 1))  # (2 * Hkv, T, D)
+        return causal_attention(q, kv)
 
 
 class CompiledDecode:
@@ -259,12 +277,17 @@ class CompiledDecode:
         # rows, so the step graphs stay free of the sampler (benchmarks/README.md, "Batched
         # sampled steps draw in a graph too").
         draw = torch.compile(plain_draw, fullgraph=True, options=options)
-        self._draw = self._load_or_compile(draw, f"{key}-draw", self._draw_inputs)
+        draw = self._load_or_compile(draw, f"{key}-draw", self._draw_inputs)
+        # A lone sequence's prompt chunk (its time to first token): one graph for any length
+        # from PREFILL_MIN_TOKENS up (benchmarks/README.md, "The prefill in a graph").
+        self.max_prefill = model.config.max_seq_len
+        prefill = torch.compile(self._eager_prefill, fullgraph=True, options=options)
+        prefill = self._load_or_compile(prefill, f"{key}-prefill", self._prefill_inputs)
         # Kept on self only now: dynamo pickles what the traced method's `self` holds into a
         # graph's guards, and a compiled graph there cannot be pickled.
-        self._steps, self._lone, self._lookup = graphs, lone, lookup
+        self._steps, self._lone, self._lookup, self._draw, self._prefill = graphs, lone, lookup, draw, prefill
         self.compile_seconds = time.perf_counter() - t
-        total = len(graphs) + len(lone) + (lookup is not None) + 1  # and the draw graph
+        total = len(graphs) + len(lone) + (lookup is not None) + 2  # and the draw and prefill graphs
         log.info(
             "compiled decode in %.1f s (%d graphs: %d loaded from the cache, %d compiled), "
             "few-row products and attention through %s",
@@ -316,6 +339,15 @@ class CompiledDecode:
         groups = self.forward.n_head // self.forward.n_kv
         attn = DecodeAttention(DecodeAttention.gather(self.pool.kv, tables), meta[3], groups)
         logits = self.forward.logits(self.forward(meta[0], meta[1], attn))
+        return logits, logits.argmax(-1), torch.stack(attn.new_kv)
+
+    def _eager_prefill(self, meta, tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fresh prompt's first chunk of T tokens (T symbolic; nothing cached before it, so
+        `tables` is not read): the last row's logits (1, vocab) and argmax (1,), and the
+        chunk's K/V (layers, 2 * Hkv, T, D). Only the last row goes through the LM head: the
+        prompt's own log-probs take the eager path."""
+        attn = PrefillAttention()
+        logits = self.forward.logits(self.forward(meta[0], meta[1], attn)[-1:])
         return logits, logits.argmax(-1), torch.stack(attn.new_kv)
 
     def _eager_run(
@@ -426,6 +458,16 @@ class CompiledDecode:
         torch._dynamo.mark_dynamic(tables, 1)
         return meta, tables, *extra
 
+    def _prefill_inputs(self) -> tuple:
+        """The prefill graph's example inputs: a chunk of 2 x PREFILL_MIN_TOKENS tokens, its
+        length symbolic from PREFILL_MIN_TOKENS to the model's context (so the products'
+        choice of aten.mm holds for every length), as the table width."""
+        meta, tables = self._inputs([], 1, 2 * PREFILL_MIN_TOKENS)
+        torch._dynamo.mark_dynamic(meta, 1, min=PREFILL_MIN_TOKENS, max=self.max_prefill)
+        torch._dynamo.mark_static(tables, 0)
+        torch._dynamo.mark_dynamic(tables, 1)
+        return meta, tables
+
     def _draw_inputs(self) -> tuple:
         """The draw graph's example inputs: `plain_draw`'s (float32 logits) for a few rows, the
         rows symbolic (at least two: a symbolic size of 1 would be specialised)."""
@@ -463,20 +505,23 @@ class CompiledDecode:
         )
 
     def _run(
-        self, seqs: list[Sequence], graph, size: int, tokens: int, extra: tuple = ()
+        self, seqs: list[Sequence], graph, size: int, tokens: int, extra: tuple = (), own: int = 1
     ) -> list[torch.Tensor]:
         """`graph` (of `size` sequences, `tokens` rows each) on `seqs`, padded: its outputs but
-        the last, the K/V of every row, which is written into the pool."""
-        meta, tables = self._inputs(seqs, size, tokens)
+        the last, the K/V of every row, which is written into the pool. `own`: `_inputs`'."""
+        meta, tables = self._inputs(seqs, size, tokens, own)
         *outputs, new_kv = graph(self, meta, tables, *extra)
         kv = self.pool.kv
         L, H2, nb, bs, D = kv.shape
         kv.view(L, H2, nb * bs, D).index_copy_(2, meta[2], new_kv)
         return outputs
 
-    def _inputs(self, seqs: list[Sequence], size: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(
+        self, seqs: list[Sequence], size: int, tokens: int, own: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(4, size * tokens): ids, positions, slots and cached keys seen, `tokens` rows a
-        sequence (its last token, then its draft); (size, width) block tables. Padded, to
+        sequence (its `own` tokens from its first uncomputed one: its last token, or a prompt
+        chunk's; then its draft); (size, width) block tables. Padded, to
         `tokens` rows a sequence and to `size` sequences, with rows that write only the
         scratch block (causal attention keeps them out of the real rows). A multi-step
         sequence's rows after the first are its lookahead: ids the graph makes itself."""
@@ -485,7 +530,7 @@ class CompiledDecode:
         width = 2
         for s in seqs:
             p = s.num_computed_tokens
-            new = [s.token_ids[p], *s.draft] + [0] * s.lookahead
+            new = s.token_ids[p : p + own] + s.draft + [0] * s.lookahead
             fill = tokens - len(new)
             ids += new + [0] * fill
             pos += list(range(p, p + len(new))) + [p] * fill
@@ -504,8 +549,8 @@ class CompiledDecode:
     def run(
         self, seqs: list[Sequence], num_new: list[int]
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int] | None] | None:
-        """If this is a step it serves (every sequence a decode, with or without a draft):
-        logits, one row per sequence and draft token, in the runner's order (a sequence's
+        """If this is a step it serves (every sequence a decode, with or without a draft, or
+        a lone sequence's prompt chunk: `_prefill_run`): logits, one row per sequence and draft token, in the runner's order (a sequence's
         draft rows first, as RunnerOutput), and each row's token where the graph made every
         row's (a plain step of `graph_draws` sequences; a verifying one of greedy ones: the
         argmax), else None in its place; for a lone
@@ -513,7 +558,7 @@ class CompiledDecode:
         as RunnerOutput); then a greedy lookup run's (drafted, kept) draft tokens, else None.
         None if it does not serve the step."""
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):
-            return None
+            return self._prefill_run(seqs, num_new)
         seq = seqs[0]
         if seq.lookahead:  # the scheduler's, for a lone sequence that `graph_draws` only
             steps, sampled = 1 + seq.lookahead, not seq.params.greedy
@@ -544,6 +589,22 @@ class CompiledDecode:
         rows = torch.tensor(rows, device=self.device)
         greedy = all(s.params.greedy and s.graph_draws for s in seqs)  # a draft's verdict: greedy_verdict
         return logits[rows], argmax[rows] if greedy else None, None
+
+    def _prefill_run(
+        self, seqs: list[Sequence], num_new: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None] | None:
+        """`run` for a step of one sequence's first prompt chunk (nothing cached: after a
+        prefix cache hit, or a later chunk, the prefill is shorter, and eager) of
+        PREFILL_MIN_TOKENS tokens or more that does not score its prompt (log-probs read every
+        row): the last row's logits where the chunk ends the prompt (none before), and its
+        argmax where that is the sequence's draw; None for any other step."""
+        seq, n = seqs[0], num_new[0]
+        if len(seqs) != 1 or n < PREFILL_MIN_TOKENS or seq.num_computed_tokens or seq.scoring:
+            return None
+        logits, argmax = self._run(seqs, self._prefill, 1, n, own=n)
+        if seq.num_computed_tokens + n < seq.num_tokens:
+            return logits[:0], None, None
+        return logits, argmax if seq.params.greedy and seq.graph_draws else None, None
 
 
 def lookup_draft(

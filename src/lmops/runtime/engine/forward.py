@@ -35,6 +35,16 @@ class Attend(Protocol):
         ...
 
 
+def causal_attention(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """A fresh prompt's attention, nothing cached before it: each token over the prompt's
+    own keys up to itself (`Attend`'s q and kv -> (T, H, D)), by SDPA's flash kernel, which
+    takes the grouped K/V heads as they are (`enable_gqa`)."""
+    Hkv = kv.shape[1] // 2
+    ks, vs = kv.transpose(0, 1)[None].split(Hkv, 1)
+    y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks, vs, is_causal=True, enable_gqa=True)
+    return y[0].transpose(0, 1)
+
+
 class FusedForward:
     """model.py's forward over a packed batch, with fused projections.
 

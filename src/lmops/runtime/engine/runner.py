@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmops.runtime.engine.compiled import CompiledDecode
-from lmops.runtime.engine.forward import FusedForward
+from lmops.runtime.engine.forward import FusedForward, causal_attention
 from lmops.runtime.engine.kv_cache import KVPool
 from lmops.runtime.engine.scheduler import ScheduledBatch
 from lmops.runtime.engine.sequence import PromptScores, Sequence
@@ -100,14 +100,13 @@ class PagedAttention:
         for g in self.groups:
             out[g.rows] = self._group(g, q[g.rows], blocks, Hkv)
         for p in self.prefills:
-            qs = q[p.rows].transpose(0, 1)[None]  # (1, H, n, D)
             if p.block_ids is None:
-                ks, vs = kv[p.rows].transpose(0, 1)[None].split(Hkv, 1)
-                y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            else:
-                ctx = blocks.index_select(1, p.block_ids).view(2 * Hkv, -1, D)[None, :, : p.mask.shape[1]]
-                ks, vs = ctx.split(Hkv, 1)
-                y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
+                out[p.rows] = causal_attention(q[p.rows], kv[p.rows])
+                continue
+            qs = q[p.rows].transpose(0, 1)[None]  # (1, H, n, D)
+            ctx = blocks.index_select(1, p.block_ids).view(2 * Hkv, -1, D)[None, :, : p.mask.shape[1]]
+            ks, vs = ctx.split(Hkv, 1)
+            y = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
             out[p.rows] = y[0].transpose(0, 1)
         return out
 
