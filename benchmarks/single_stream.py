@@ -12,7 +12,8 @@ from a text file (the corpus's test split: code completions of the default corpu
 prompt once a round. Each (engine, thread count) is a worker process of its own: the baseline's
 with `git archive REV src` on its PYTHONPATH, so each loads its own `lmops`; inductor's
 graphs are compiled for one thread count, hence a worker per count. The workers take turns
-request by request for `--rounds` rounds (medians), so load from other jobs falls on all alike.
+request by request for `--rounds` rounds (medians), so load from other jobs falls on all alike,
+each request after a pause in which the cores go idle (`IDLE_BEFORE_REQUEST`).
 Decode tok/s = 127 / (last token - first token), by the wall clock and by the worker's CPU
 time over the same steps (on a shared machine the CPU time is the steadier figure: it leaves
 out the time other jobs held the core); TTFT from the request's metrics, each prompt cold (lmops'
@@ -74,6 +75,12 @@ PROMPT_LEN = 128
 CT2_BACKENDS = {"ctranslate2-mkl": "1", "ctranslate2-dnnl": "0"}
 # The allocators a worker can run under (`--malloc`): glibc's, or a library preloaded, as
 # production_service/server.py's serving_env preloads one for the service.
+# A pause before each request: longer than the spin of libgomp's threads after a parallel
+# region (GOMP_SPINCOUNT's default, about 8 ms on a 2-core EPYC), so that each request starts on
+# cores the previous worker's threads have left, as a request to a service alone on its cores
+# does (without it, a 2-thread worker's TTFT measured the worker before it: benchmarks/README.md,
+# "The prefill in a graph").
+IDLE_BEFORE_REQUEST = 0.05
 MALLOCS = {"glibc": None, "tcmalloc": "tcmalloc_minimal", "jemalloc": "jemalloc"}
 
 
@@ -448,6 +455,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             for _ in range(args.rounds):
                 for k, prompt in enumerate(prompts):
                     for name, w in workers.items():
+                        time.sleep(IDLE_BEFORE_REQUEST)
                         runs[name].append(w.run(prompt, new) | {"prompt": k})
             for w in workers.values():
                 w.close()
