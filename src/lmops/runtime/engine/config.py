@@ -119,7 +119,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    # Compiled decode steps on CPU (engine/compiled.py); compiles at engine start.
+    # Compiled decode steps and a lone fresh prompt's prefill on CPU (engine/compiled.py);
+    # compiles at engine start (loaded from the compile cache after the first time).
     compile: bool = field(default_factory=compile_default)
     # Fraction of requests whose prompt the engine also scores in bits/byte (the drift signal,
     # `lmops:prompt_bits_per_byte`); 0 disables it.
