@@ -476,7 +476,11 @@ def _compile(run: Run) -> None:
     # fallback_random: dropout masks from torch's own generator, not inductor's Philox
     # kernels (faster on CPU; measured in benchmarks/README.md, "Training speed").
     compiled = torch.compile(run.forward, options={"fallback_random": True})
-    dummy = torch.zeros(run.cfg.batch_size, run.params.model.max_seq_len, dtype=torch.long, device=run.device)
+    # A batch cut by `windows`, as every step's is: its inputs are views of one (B, T + 1)
+    # tensor, and a contiguous dummy's strides failed the graph's guards at the first step,
+    # which compiled it all again.
+    seq_len = run.params.model.max_seq_len
+    x, y = windows(np.zeros(seq_len + 1, dtype=np.int64), [0] * run.cfg.batch_size, seq_len, run.device)
     log.info(
         "compiling the training step (on 2 CPU cores about 90 s the first time, seconds once "
         "inductor's on-disk cache is warm; train.compile: false skips it)"
@@ -486,7 +490,7 @@ def _compile(run: Run) -> None:
         with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
             compiled.train()
             with run.autocast:
-                _, loss = compiled(dummy, dummy)
+                _, loss = compiled(x, y)
             loss.backward()
     except Exception as exc:  # inductor raises its own error types (InvalidCxxCompiler, ...)
         log.warning("torch.compile unavailable, training eagerly: %s", str(exc).strip().splitlines()[0])
