@@ -482,7 +482,7 @@ def _compile(run: Run) -> None:
     seq_len = run.params.model.max_seq_len
     x, y = windows(np.zeros(seq_len + 1, dtype=np.int64), [0] * run.cfg.batch_size, seq_len, run.device)
     log.info(
-        "compiling the training step (on 2 CPU cores about 90 s the first time, seconds once "
+        "compiling the training step (on 2 CPU cores about 30 s the first time, seconds once "
         "inductor's on-disk cache is warm; train.compile: false skips it)"
     )
     started = time.perf_counter()
