@@ -75,13 +75,13 @@ PROMPT_LEN = 128
 CT2_BACKENDS = {"ctranslate2-mkl": "1", "ctranslate2-dnnl": "0"}
 # The allocators a worker can run under (`--malloc`): glibc's, or a library preloaded, as
 # production_service/server.py's serving_env preloads one for the service.
+MALLOCS = {"glibc": None, "tcmalloc": "tcmalloc_minimal", "jemalloc": "jemalloc"}
 # A pause before each request: longer than the spin of libgomp's threads after a parallel
 # region (GOMP_SPINCOUNT's default, about 8 ms on a 2-core EPYC), so that each request starts on
 # cores the previous worker's threads have left, as a request to a service alone on its cores
 # does (without it, a 2-thread worker's TTFT measured the worker before it: benchmarks/README.md,
 # "The prefill in a graph").
 IDLE_BEFORE_REQUEST = 0.05
-MALLOCS = {"glibc": None, "tcmalloc": "tcmalloc_minimal", "jemalloc": "jemalloc"}
 
 
 def engines(row: dict) -> list[str]:
